@@ -1,0 +1,55 @@
+# Two commands for a fresh machine: `make run` and `make test`.
+# Everything else here is what those two need.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+RUNTIME := $(VENV)/.runtime-installed
+TESTDEP := $(VENV)/.test-installed
+STUBS   := duplex/v1/talker_pb2_grpc.py
+PROTOS  := $(wildcard protos/duplex/v1/*.proto)
+
+# Options for `make run`, e.g. `make run ARGS="--checkpoint /models/personaplex --sessions 4"`.
+ARGS    ?=
+# Options for pytest, e.g. `make test PYTEST_ARGS="-k mimi -x"`.
+PYTEST_ARGS ?=
+
+.PHONY: run test setup setup-test stubs checkpoint clean
+
+run: setup stubs
+	$(PY) -m tools.run_stack $(ARGS)
+
+test: setup-test stubs
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+setup: $(RUNTIME)
+setup-test: $(TESTDEP)
+
+# CPU machines install the local torch 2.13.0 build first (a range would pull a
+# multi-GB CUDA build); the GPU image's own torch is used there instead.
+$(RUNTIME): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+# Test-only: the numerical reference `moshi==0.2.13`, installed without its
+# dependencies (it pins an older torch); never imported by runtime code.
+$(TESTDEP): $(RUNTIME)
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps moshi==0.2.13
+	touch $@
+
+# gRPC stubs are generated from protos/ at install time, never committed.
+stubs: $(STUBS)
+$(STUBS): $(PROTOS) $(RUNTIME)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch $@
+
+# The embedded tiny checkpoint (generated once, cached under .cache/).
+checkpoint: setup stubs
+	$(PY) -m tools.make_checkpoint --preset tiny
+
+clean:
+	rm -rf duplex .cache .pytest_cache
