@@ -66,12 +66,12 @@ class CheckpointPaths:
         return self.root / CONFIG_FILE
 
     @classmethod
-    def open(cls, root: str | Path) -> "CheckpointPaths":
-        """Check that the directory has every file a service may need."""
+    def open(cls, root: str | Path, require: tuple[str, ...] = ("lm", "mimi", "tokenizer")) -> "CheckpointPaths":
+        """Check that the directory has the files a service needs (`require`: "lm", "mimi", "tokenizer")."""
         paths = cls(Path(root).expanduser().resolve())
         if not paths.root.is_dir():
             raise CheckpointError(f"checkpoint directory {paths.root} does not exist")
-        for f in (paths.lm, paths.mimi, paths.tokenizer):
+        for f in (getattr(paths, name) for name in require):
             if not f.is_file():
                 raise CheckpointError(f"checkpoint {paths.root} has no {f.name}")
         return paths
