@@ -1,0 +1,296 @@
+"""What every stage service (encoder, talker, decoder) shares around its model.
+
+StageRuntime: admission and the life of a stream.
+    handle = runtime.open_stream(stream_id)   # validates id; UNAVAILABLE when draining,
+                                              # ALREADY_EXISTS, RESOURCE_EXHAUSTED (no slot)
+    req = await handle.read(context)          # next request, None at end of stream; raises
+                                              # Unavailable if the drain deadline ended the stream
+    handle.seq.check(seq); ...; handle.seq.advance()
+    runtime.close_stream(handle, reason)      # frees the slot (confirmed: see slots.SlotPool)
+
+    async with runtime.guard(context):        # StageError -> errors metric + gRPC status
+        ...
+
+StageRpcs: the GetCapacity and Drain RPCs, identical for every stage (a mixin
+for the generated servicer classes).
+
+StageServer: the process around them: a grpc.aio server, standard
+grpc.health.v1 health (SERVING; NOT_SERVING once draining) and server
+reflection, the Prometheus /metrics endpoint, and SIGTERM/SIGINT = drain (stop
+admitting, let streams run until the deadline, end the rest with UNAVAILABLE,
+exit). It deliberately sets no `maximum_concurrent_rpcs`: a full service must
+still answer health checks and GetCapacity; admission is the slot pool's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from duplex.v1 import common_pb2
+from services.common.errors import AlreadyExists, InvalidArgument, StageError, Unavailable
+from services.common.metrics import StageMetrics
+from services.common.sequence import SequenceChecker
+from services.common.slots import SlotPool
+
+FRAME_MS = 80
+MAX_STREAM_ID = 128
+
+
+def validate_stream_id(stream_id: str) -> None:
+    if not (1 <= len(stream_id) <= MAX_STREAM_ID) or not all(" " <= c <= "~" for c in stream_id):
+        raise InvalidArgument(
+            f"stream id {stream_id[:40]!r} must be 1..{MAX_STREAM_ID} printable ASCII characters", kind="bad_stream_id"
+        )
+
+
+class StreamHandle:
+    """One live stream: its id, its slot, its sequence checker, and a way to be ended from outside."""
+
+    def __init__(self, stream_id: str, slot: int):
+        self.stream_id = stream_id
+        self.slot = slot
+        self.seq = SequenceChecker()
+        self.opened_at = time.monotonic()
+        self.frames = 0  # frames answered, for the close log line
+        self._killed: StageError | None = None
+        self._kill_event = asyncio.Event()
+
+    def kill(self, error: StageError) -> None:
+        """End the stream at its next read (used by the drain deadline)."""
+        if self._killed is None:
+            self._killed = error
+            self._kill_event.set()
+
+    def raise_if_killed(self) -> None:
+        if self._killed is not None:
+            raise self._killed
+
+    async def read(self, context: grpc.aio.ServicerContext):
+        """The next request, or None at the end of the client's stream."""
+        self.raise_if_killed()
+        read = asyncio.ensure_future(context.read())
+        killed = asyncio.ensure_future(self._kill_event.wait())
+        try:
+            await asyncio.wait({read, killed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            killed.cancel()
+            if not read.done():
+                read.cancel()
+        if read.done() and not read.cancelled():
+            req = read.result()
+            return None if req is grpc.aio.EOF else req
+        self.raise_if_killed()
+        raise AssertionError("unreachable")
+
+
+class StageRuntime:
+    """Slots, live streams and the draining flag of one stage service (event loop thread only)."""
+
+    def __init__(self, stage: str, slots: int, metrics: StageMetrics | None = None, frame_ms: int = FRAME_MS):
+        self.stage = stage
+        self.frame_ms = frame_ms
+        self.pool = SlotPool(slots)
+        self.metrics = metrics or StageMetrics(stage)
+        self.metrics.track(active=lambda: len(self.streams), free=lambda: self.pool.free_count)
+        self.streams: dict[str, StreamHandle] = {}
+        self.draining = False
+        self.log = logging.getLogger(f"duplex.{stage}")
+        self._drain_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._drain_timers: set[asyncio.Task] = set()
+
+    # -- streams -----------------------------------------------------------------------------
+
+    def open_stream(self, stream_id: str) -> StreamHandle:
+        validate_stream_id(stream_id)
+        if self.draining:
+            raise Unavailable(f"{self.stage} is draining and admits no new stream", kind="draining")
+        if stream_id in self.streams:
+            raise AlreadyExists(f"stream id {stream_id!r} is already live on this {self.stage}")
+        slot = self.pool.acquire()
+        handle = StreamHandle(stream_id, slot)
+        self.streams[stream_id] = handle
+        self._idle.clear()
+        self.metrics.streams_opened.inc()
+        self.log.info("open  stream=%s slot=%d active=%d free=%d", stream_id, slot, len(self.streams), self.pool.free_count)
+        return handle
+
+    def close_stream(self, handle: StreamHandle, reason: str) -> None:
+        """The stream is over (reason: ok | cancelled | error | drained). Idempotent."""
+        if self.streams.get(handle.stream_id) is not handle:
+            return
+        del self.streams[handle.stream_id]
+        self.pool.release(handle.slot)
+        if not self.streams:
+            self._idle.set()
+        self.metrics.stream_closed(reason)
+        self.log.info(
+            "close stream=%s slot=%d reason=%s frames=%d secs=%.1f active=%d",
+            handle.stream_id, handle.slot, reason, handle.frames, time.monotonic() - handle.opened_at, len(self.streams),
+        )
+
+    @contextlib.asynccontextmanager
+    async def guard(self, context: grpc.aio.ServicerContext, stream_id: str = "-"):
+        """Turn a StageError raised inside into the errors metric, a log line and the stream's gRPC status."""
+        try:
+            yield
+        except StageError as e:
+            self.metrics.error(e.kind)
+            self.log.warning("error stream=%s kind=%s code=%s: %s", stream_id, e.kind, e.code.name, e.message)
+            await e.abort(context)
+
+    # -- admission state -----------------------------------------------------------------------
+
+    def capacity(self) -> common_pb2.Capacity:
+        return common_pb2.Capacity(
+            total_slots=self.pool.total,
+            free_slots=0 if self.draining else self.pool.free_count,
+            active_streams=len(self.streams),
+            draining=self.draining,
+            stage=self.stage,
+            frame_ms=self.frame_ms,
+        )
+
+    def on_drain(self, listener: Callable[[], Awaitable[None]]) -> None:
+        self._drain_listeners.append(listener)
+
+    async def drain(self, deadline_s: float) -> common_pb2.DrainResponse:
+        """Stop admitting. With deadline_s > 0, streams still live after it end with UNAVAILABLE."""
+        if deadline_s < 0 or deadline_s != deadline_s:
+            raise InvalidArgument(f"drain deadline_s must be >= 0, got {deadline_s}", kind="bad_drain")
+        if not self.draining:
+            self.draining = True
+            self.log.info("draining: admitting no new stream; %d live, deadline %.1fs", len(self.streams), deadline_s)
+            for listener in self._drain_listeners:
+                await listener()
+        if deadline_s > 0:
+            task = asyncio.ensure_future(self._end_streams_after(deadline_s))
+            self._drain_timers.add(task)
+            task.add_done_callback(self._drain_timers.discard)
+        return common_pb2.DrainResponse(active_streams=len(self.streams))
+
+    async def _end_streams_after(self, deadline_s: float) -> None:
+        await asyncio.sleep(deadline_s)
+        for handle in list(self.streams.values()):
+            handle.kill(Unavailable(f"{self.stage} drained: the stream outlived the {deadline_s:g}s drain deadline", kind="drained"))
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """True once no stream is live (False on timeout)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+class StageRpcs:
+    """GetCapacity and Drain, the same for every stage. Mix in before the generated servicer base."""
+
+    runtime: StageRuntime
+
+    async def GetCapacity(self, request, context):
+        return self.runtime.capacity()
+
+    async def Drain(self, request, context):
+        async with self.runtime.guard(context):
+            return await self.runtime.drain(request.deadline_s)
+
+
+class StageServer:
+    """grpc.aio server + health + reflection + /metrics + SIGTERM drain for one stage."""
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        *,
+        register: Callable[[grpc.aio.Server], None],
+        service_names: Iterable[str],
+        host: str = "0.0.0.0",
+        port: int = 0,
+        metrics_port: int | None = 0,
+        drain_deadline_s: float = 30.0,
+    ):
+        self.runtime = runtime
+        self.register = register
+        self.service_names = list(service_names)
+        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.drain_deadline_s = drain_deadline_s
+        self.health = HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self._metrics_http = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        # Never set maximum_concurrent_rpcs: health and GetCapacity must answer when the slots are full.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.register(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"{self.runtime.stage}: cannot bind gRPC port {self.host}:{self.port}")
+        self.port = bound
+        if self.metrics_port is not None and self.metrics_port >= 0:
+            self._metrics_http = self.runtime.metrics.serve_http(self.metrics_port, self.host)
+            self.metrics_port = self._metrics_http.server_port
+        await self.server.start()
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.runtime.on_drain(self._not_serving)
+        self.runtime.log.info(
+            "%s serving on %s:%d (metrics :%s, %d slots)",
+            self.runtime.stage, self.host, self.port, self.metrics_port, self.runtime.pool.total,
+        )
+
+    async def _not_serving(self) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+        self._stopped.set()
+
+    async def drain_and_stop(self, deadline_s: float | None = None) -> None:
+        """SIGTERM path: drain, let streams finish (up to the deadline, then they get UNAVAILABLE), stop."""
+        deadline_s = self.drain_deadline_s if deadline_s is None else deadline_s
+        await self.runtime.drain(deadline_s)
+        # The deadline kills streams at their next read; give them a moment to say so to their clients.
+        idle = await self.runtime.wait_idle(deadline_s + 2.0 if deadline_s > 0 else None)
+        self.runtime.log.info("drained (%s); stopping", "all streams ended" if idle else f"{len(self.runtime.streams)} still live")
+        await self.stop(grace=1.0)
+
+    async def serve_until_signal(self) -> None:
+        """Run until SIGTERM/SIGINT (then drain and exit) or until stop()."""
+        loop = asyncio.get_running_loop()
+        draining: list[asyncio.Task] = []
+
+        def on_signal(signum: int) -> None:
+            if draining:  # a second signal: stop now
+                self.runtime.log.info("second signal %s: stopping now", signal.Signals(signum).name)
+                asyncio.ensure_future(self.stop(grace=0))
+                return
+            self.runtime.log.info("%s: draining", signal.Signals(signum).name)
+            draining.append(asyncio.ensure_future(self.drain_and_stop()))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await self._stopped.wait()
