@@ -1,0 +1,30 @@
+"""python -m services.talker --checkpoint DIR [--port 50052] [--metrics-port 9102] [--slots N]
+                            [--device cpu|cuda] [--tick-ms 80] [--max-backlog-s 2.0]
+
+Every option also reads from TALKER_<NAME> (e.g. TALKER_SLOTS=8); see services/talker/config.py.
+SIGTERM drains: no new sessions, live ones run until they end or the drain deadline, then exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import torch
+
+from services.talker.config import TalkerConfig
+from services.talker.server import TalkerService
+
+
+async def main(cfg: TalkerConfig) -> None:
+    service = await TalkerService(cfg).start()
+    await service.serve_until_signal()
+
+
+if __name__ == "__main__":
+    cfg = TalkerConfig.load(sys.argv[1:])
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)  # intra-op threads of the one compute thread's matmuls
+    asyncio.run(main(cfg))

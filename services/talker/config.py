@@ -1,0 +1,69 @@
+"""The Talker service's configuration: one typed place, CPU defaults, env-var overrides.
+
+Precedence: dataclass default < environment (TALKER_<FIELD>, e.g. TALKER_SLOTS=8) < command line
+(--slots 8), through the common loader.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from services.common.stage_config import load_config
+
+ENV_PREFIX = "TALKER_"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TalkerConfig:
+    checkpoint: str = ""  # checkpoint directory in the published layout (required)
+    host: str = "127.0.0.1"
+    port: int = 50052  # gRPC; 0 picks a free port
+    metrics_port: int = 9102  # Prometheus HTTP; 0 picks a free port, -1 disables it
+    slots: int = 2  # concurrent sessions = the batch size of every step
+    device: str = "cpu"
+    dtype: str = "float32"  # one of DTYPES; "bfloat16" on GPU
+    tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
+    max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
+    max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
+    prefill_chunk_frames: int = 64  # most prompt frames one prefill chunk runs between ticks
+    drain_deadline_s: float = 30.0  # SIGTERM: how long live sessions may continue
+    threads: int = 0  # torch intra-op threads (0 = torch's default)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if not (1.0 <= self.tick_ms <= 10_000.0):
+            raise ValueError(f"tick_ms must be in [1, 10000], got {self.tick_ms}")
+        if self.max_backlog_s <= 0:
+            raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.prefill_chunk_frames < 1:
+            raise ValueError(f"prefill_chunk_frames must be >= 1, got {self.prefill_chunk_frames}")
+        if self.max_persona_chars < 1:
+            raise ValueError(f"max_persona_chars must be >= 1, got {self.max_persona_chars}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def max_backlog_frames(self) -> int:
+        """Queued input frames a session may hold (at least 1): the backlog bound in frames."""
+        return max(1, math.ceil(self.max_backlog_s * 1000.0 / self.tick_ms))
+
+    @classmethod
+    def load(cls, argv: list[str] | None = None, env: dict[str, str] | None = None) -> "TalkerConfig":
+        """Defaults < TALKER_* environment < command line (services/common/stage_config.py)."""
+        try:
+            cfg = load_config(cls, ENV_PREFIX, argv=argv, env=env, description="PersonaPlex Talker gRPC service")
+        except ValueError as e:
+            raise SystemExit(f"talker config: {e}") from None
+        if not cfg.checkpoint:
+            raise SystemExit("talker config: --checkpoint (or TALKER_CHECKPOINT) is required")
+        return cfg

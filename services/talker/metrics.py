@@ -1,0 +1,48 @@
+"""The Talker's own Prometheus metrics, next to the common stage metrics in the same registry.
+
+    duplex_talker_tick_seconds            histogram: one clock tick (main step + catch-up steps)
+    duplex_talker_tick_lateness_seconds   histogram: how late a tick started after its deadline
+    duplex_talker_prefill_seconds         histogram: open -> prompt in the slot (wall time)
+    duplex_talker_frames_advanced_total   counter: session frames stepped (one per input frame)
+    duplex_talker_frames_skipped_total    counter: live sessions left unstepped at a tick for want of input
+    duplex_talker_catch_up_steps_total    counter: extra batched steps run for sessions with a backlog
+    duplex_talker_backlog_refusals_total  counter: streams ended because their queued input passed the bound
+
+Active streams and free slots are the common `duplex_stage_active_streams` /
+`duplex_stage_free_slots` gauges; step time and batch size are `duplex_stage_step_seconds`
+and `duplex_stage_batch_size` (services/common/metrics.py).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from services.common.metrics import StageMetrics
+
+# Dense under the 80 ms period: the interesting question is how much of it a tick uses.
+TICK_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.010, 0.015, 0.020, 0.025, 0.030, 0.040, 0.050, 0.060,
+                0.070, 0.075, 0.080, 0.090, 0.100, 0.150, 0.250, 0.5, 1.0)
+LATENESS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.010, 0.020, 0.040, 0.080, 0.160, 0.320, 1.0)
+PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class TalkerMetrics:
+    def __init__(self, stage: StageMetrics):
+        self.stage = stage
+        r = stage.registry
+        self.tick_duration = Histogram("duplex_talker_tick_seconds", "Wall time of one clock tick (main + catch-up steps)",
+                                       buckets=TICK_BUCKETS, registry=r)
+        self.tick_lateness = Histogram("duplex_talker_tick_lateness_seconds", "How late a tick started after its deadline",
+                                       buckets=LATENESS_BUCKETS, registry=r)
+        self.prefill_duration = Histogram("duplex_talker_prefill_seconds", "Open to prompt-in-slot, wall time",
+                                          buckets=PREFILL_BUCKETS, registry=r)
+        self.frames_advanced = Counter("duplex_talker_frames_advanced", "Session frames stepped", registry=r)
+        self.frames_skipped = Counter("duplex_talker_frames_skipped",
+                                      "Live sessions not stepped at a tick for want of input", registry=r)
+        self.catch_up_steps = Counter("duplex_talker_catch_up_steps", "Extra batched steps for sessions with a backlog",
+                                      registry=r)
+        self.backlog_refusals = Counter("duplex_talker_backlog_refusals",
+                                        "Streams ended because queued input passed the backlog bound", registry=r)
+
+    def observe_step(self, seconds: float, batch: int) -> None:
+        self.stage.observe_step(seconds, batch)

@@ -1,0 +1,367 @@
+"""The conversation clock: every tick, one batched model step for every session with input.
+
+Threads: the asyncio loop owns every Session and all scheduling decisions; the
+engine runs on ONE compute thread (a single-thread executor), so model state is
+never touched concurrently. A step's inputs are gathered and the call submitted
+with no `await` in between, so a session closed by the loop is either in a
+step's batch (and its slot stays pinned until that step returns) or in none.
+
+One period of the clock (tick_s, 80 ms):
+
+    deadline ──▶ main step: every live session with a queued frame, one frame each
+                 catch-up steps: sessions that still have queued frames, while the
+                   measured step time still fits before the next deadline
+                 prefill: begin() and prefill chunks of new sessions, sized to the
+                   time left in the period (they never make a tick late)
+                 sleep until the next deadline (woken early by new prefill work)
+
+A live session without input for a tick is not stepped (no invented audio) and
+costs the others nothing: the batch has a fixed shape [slots, 8] and an active mask.
+Queued input over the backlog bound is refused (BacklogFull) on that session only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import ResourceExhausted
+from services.common.slots import SlotPool
+
+log = logging.getLogger("talker.clock")
+
+
+class BacklogFull(ResourceExhausted):
+    """A session queued more input than the backlog bound: the client is too far ahead of the clock."""
+
+    kind = "backlog_full"
+
+
+@dataclass
+class Ready:
+    slot: int
+    prefill_frames: int
+    prefill_ms: float
+    output_delay_frames: int
+    seed: int
+
+
+@dataclass
+class Output:
+    seq: int
+    input_seq: int
+    text_token: int
+    text_piece: str
+    agent_codes: list[int]
+
+
+END = None  # outbox sentinel: the session ended normally (input closed, all queued frames stepped)
+
+
+@dataclass(eq=False)
+class Session:
+    """One stream's place on the clock. Touched only from the event loop."""
+
+    stream_id: str
+    slot: int
+    voice: str | None
+    persona: str
+    sampling: object  # engine SamplingParams
+    seed: int
+    # Ready, then Output..., then END or an exception (the stream's error). Unbounded:
+    # at most one Output per accepted input frame, and input is bounded by the backlog.
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    inputs: collections.deque = field(default_factory=collections.deque)  # (seq, codes[8])
+    job: object = None  # engine PrefillJob while prefilling
+    live: bool = False  # prefill done, Ready sent: the clock steps it
+    closed: bool = False  # no more engine work for it
+    input_done: bool = False  # the client half-closed: end once the queue is drained
+    failed: bool = False  # an error went to its outbox: no more engine work
+    prefilled: int = 0  # prompt frames run so far
+    out_seq: int = 0
+    prefill_started: float = 0.0
+
+
+class ConversationClock:
+    def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
+                 prefill_chunk_frames: int = 64, metrics=None):
+        self.engine = engine
+        self.pool = pool
+        self.tick_s = tick_s
+        self.max_backlog_frames = max_backlog_frames
+        self.prefill_chunk_frames = prefill_chunk_frames
+        self.metrics = metrics
+        self.sessions: dict[int, Session] = {}  # slot -> session
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="talker-compute")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        # Measured costs (EMA, seconds), used to decide what still fits in a period.
+        self._step_s = 0.0
+        self._prefill_frame_s = 0.0
+        self._begin_s = 0.0
+        self.ticks = 0
+        self.steps = 0  # batched engine steps, main + catch-up
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="talker-clock")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        # Let whatever is queued on the compute thread finish, then stop it.
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+
+    async def compute(self, fn, *args):
+        """Run fn(*args) on the compute thread (FIFO behind any step in flight)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # ---- sessions (called by the servicer) ----------------------------------------------------
+
+    def open(self, stream_id: str, slot: int, voice: str | None, persona: str, sampling, seed: int) -> Session:
+        """Register a session on an acquired slot; its prefill runs in the clock's spare time.
+
+        Its outbox gets Ready when the prompt sits in the slot, or the engine's typed
+        error (InvalidVoice, InvalidPersona, InvalidSampling) if begin() refuses it.
+        """
+        s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed)
+        s.prefill_started = time.perf_counter()
+        self.sessions[slot] = s
+        self._wake.set()
+        return s
+
+    def push(self, s: Session, seq: int, codes: list[int]) -> None:
+        """Queue one input frame (already validated and seq-checked by the caller)."""
+        if s.closed:
+            return
+        if len(s.inputs) >= self.max_backlog_frames:
+            if self.metrics:
+                self.metrics.backlog_refusals.inc()
+            raise BacklogFull(
+                f"input backlog over its bound: {len(s.inputs)} frames queued "
+                f"(max {self.max_backlog_frames} = {self.max_backlog_frames * self.tick_s:.2f} s); "
+                f"send one frame per {self.tick_s * 1000:.0f} ms"
+            )
+        if s.outbox.qsize() > self.max_backlog_frames:
+            if self.metrics:
+                self.metrics.backlog_refusals.inc()
+            raise BacklogFull(
+                f"output backlog over its bound: {s.outbox.qsize()} frames not read by the client "
+                f"(max {self.max_backlog_frames}); read the responses as they come"
+            )
+        s.inputs.append((seq, codes))
+
+    def input_done(self, s: Session) -> None:
+        """The client sent its last frame: end the stream once its queue is stepped."""
+        s.input_done = True
+        self._maybe_end(s)
+
+    def close(self, s: Session) -> asyncio.Future | None:
+        """Take the session off the clock; its slot stays pinned until the engine released it.
+
+        The caller then releases the slot in the pool (StageRuntime.close_stream); the pool
+        hands it out again only at the unpin, i.e. once engine.release has run on the compute
+        thread, which is after any step still in flight with this slot (FIFO). Idempotent;
+        returns the future of the engine release.
+        """
+        if s.closed:
+            return None
+        s.closed = True
+        s.live = False
+        s.inputs.clear()
+        if self.sessions.get(s.slot) is s:
+            del self.sessions[s.slot]
+        self.pool.pin([s.slot])
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.release, s.slot)
+        fut.add_done_callback(lambda f, slot=s.slot: self._released(f, slot))
+        return fut
+
+    def _released(self, fut: asyncio.Future, slot: int) -> None:
+        self.pool.unpin([slot])
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("engine.release(slot %d) failed: %r", slot, fut.exception())
+
+    # ---- the clock --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            try:
+                await self._idle_until(deadline)
+                started = loop.time()
+                if self.metrics:
+                    self.metrics.tick_lateness.observe(max(0.0, started - deadline))
+                next_deadline = deadline + self.tick_s
+                await self._tick(next_deadline)
+                if self.metrics:
+                    self.metrics.tick_duration.observe(loop.time() - started)
+                self.ticks += 1
+                deadline = next_deadline
+                if loop.time() > deadline + self.tick_s:
+                    # Overloaded (a step longer than a period): restart the grid from now rather than
+                    # firing a burst of late ticks; queued input is caught up by the backlog logic.
+                    missed = int((loop.time() - deadline) / self.tick_s)
+                    log.warning("clock overrun: %d tick(s) missed (step %.1f ms)", missed, self._step_s * 1e3)
+                    deadline = loop.time()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A failed step is a bug or a device error: fail the sessions in the batch, keep ticking.
+                log.exception("clock tick failed")
+                deadline = loop.time() + self.tick_s
+
+    async def _idle_until(self, deadline: float) -> None:
+        """Until `deadline`: run prefill work that fits, otherwise sleep (woken by new work)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            if await self._prefill_once(left):
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    async def _tick(self, period_end: float) -> None:
+        loop = asyncio.get_running_loop()
+        live = [s for s in self.sessions.values() if s.live]
+        if self.metrics:
+            self.metrics.frames_skipped.inc(sum(1 for s in live if not s.inputs))
+        await self._step([s for s in live if s.inputs], catch_up=False)
+        # Catch-up: sessions that still have queued frames (a late client, a burst) get more
+        # batched steps while the measured step time fits in the period.
+        while True:
+            behind = [s for s in self.sessions.values() if s.live and s.inputs]
+            if not behind or loop.time() + self._step_s > period_end:
+                break
+            await self._step(behind, catch_up=True)
+
+    async def _step(self, batch: list[Session], catch_up: bool) -> None:
+        if not batch:
+            return
+        n = self.engine.num_slots
+        codes = torch.zeros(n, 8, dtype=torch.long)
+        active = torch.zeros(n, dtype=torch.bool)
+        taken: list[tuple[Session, int]] = []
+        for s in batch:
+            seq, frame = s.inputs.popleft()
+            codes[s.slot] = torch.tensor(frame, dtype=torch.long)
+            active[s.slot] = True
+            taken.append((s, seq))
+        slots = [s.slot for s, _ in taken]
+        self.pool.pin(slots)
+        t0 = time.perf_counter()
+        try:
+            result = await self.compute(self._step_on_compute_thread, codes, active)
+        except Exception as e:
+            for s, _ in taken:
+                self.fail(s, e)
+            raise
+        finally:
+            self.pool.unpin(slots)
+        dt = time.perf_counter() - t0
+        self._step_s = dt if self.steps == 0 else 0.8 * self._step_s + 0.2 * dt
+        self.steps += 1
+        if self.metrics:
+            self.metrics.observe_step(dt, len(taken))
+            self.metrics.frames_advanced.inc(len(taken))
+            if catch_up:
+                self.metrics.catch_up_steps.inc()
+        tokens, agent, has_out, pieces = result
+        for s, seq in taken:
+            if s.closed:
+                continue  # closed while its step ran: the output has nowhere to go
+            i = s.slot
+            if has_out[i]:
+                s.outbox.put_nowait(Output(s.out_seq, seq, tokens[i], pieces[i], agent[i]))
+                s.out_seq += 1
+            self._maybe_end(s)
+
+    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor):
+        r = self.engine.step(codes, active)
+        tokens = r.text_tokens.tolist()
+        has_out = r.has_output.tolist()
+        act = active.tolist()
+        pieces = [self.engine.text_piece(t) if act[i] and has_out[i] else "" for i, t in enumerate(tokens)]
+        return tokens, r.agent_codes.tolist(), has_out, pieces
+
+    # ---- prefill ----------------------------------------------------------------------------
+
+    async def _prefill_once(self, time_left: float) -> bool:
+        """Run one piece of prefill work that fits in `time_left`; False if there is none.
+
+        With no live session there is nothing to make late, so work runs in full chunks.
+        Otherwise a chunk is sized from the measured time per prompt frame (the first
+        one, uncalibrated, is a single frame).
+        """
+        s = next((s for s in self.sessions.values() if not s.live and not s.closed and not s.failed), None)
+        if s is None:
+            return False
+        anyone_live = any(x.live for x in self.sessions.values())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            if s.job is None:
+                if anyone_live and self._begin_s > time_left:
+                    return False
+                s.job = await self.compute(self.engine.begin, s.slot, s.voice, s.persona, s.sampling)
+                dt = loop.time() - t0
+                self._begin_s = dt if self._begin_s == 0 else 0.8 * self._begin_s + 0.2 * dt
+                done = s.job.done
+            else:
+                frames = self.prefill_chunk_frames
+                if anyone_live:
+                    frames = 1 if self._prefill_frame_s == 0 else min(frames, int(time_left / self._prefill_frame_s))
+                    if frames < 1:
+                        return False
+                frames = min(frames, s.job.total_frames - s.prefilled)
+                done = await self.compute(s.job.run, frames)
+                s.prefilled += frames
+                per = (loop.time() - t0) / max(frames, 1)
+                # Decay slowly downwards, jump upwards: a chunk that overshoots once is not repeated.
+                self._prefill_frame_s = per if self._prefill_frame_s == 0 else max(per, 0.7 * self._prefill_frame_s + 0.3 * per)
+        except Exception as e:
+            self.fail(s, e)
+            return True
+        if done and not s.closed:
+            self._go_live(s)
+        return True
+
+    def _go_live(self, s: Session) -> None:
+        s.live = True
+        ms = (time.perf_counter() - s.prefill_started) * 1e3
+        if self.metrics:
+            self.metrics.prefill_duration.observe(ms / 1e3)
+        log.info("session %s live in slot %d: %d prompt frames prefilled in %.1f ms",
+                 s.stream_id, s.slot, s.job.total_frames, ms)
+        s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, self.engine.output_delay_frames, s.seed))
+        s.job = None
+        self._maybe_end(s)
+
+    # ---- endings ----------------------------------------------------------------------------
+
+    def _maybe_end(self, s: Session) -> None:
+        if s.input_done and s.live and not s.inputs and not s.closed:
+            s.outbox.put_nowait(END)
+            s.live = False  # nothing more to step; the servicer closes it
+
+    def fail(self, s: Session, e: BaseException) -> None:
+        if not s.closed and not s.failed:
+            s.failed = True
+            s.live = False
+            s.outbox.put_nowait(e)

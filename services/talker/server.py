@@ -1,0 +1,272 @@
+"""The Talker's wire surface: the Talk stream, GetCapacity and Drain (talker.proto).
+
+One Talk stream = one session:
+
+    client                                  server
+    open(stream_id, voice, persona, sampling) ─▶ validate all (INVALID_ARGUMENT), take a slot
+                                                 (RESOURCE_EXHAUSTED / ALREADY_EXISTS / UNAVAILABLE),
+                                                 prefill the prompt on the clock's spare time
+                                            ◀─ ready(slot, prefill_frames, prefill_ms, delay, seed)
+    frame(seq, 8 codes) every 80 ms        ─▶ seq-checked, range-checked, queued on the clock
+                                            ◀─ output(seq, input_seq, text, 8 agent codes) per step
+    half-close                             ─▶ remaining queued frames are stepped, then OK
+
+Two tasks per stream: a reader that validates frames and queues them on the clock,
+and this handler, which writes what the clock puts in the session's outbox. The
+reader's errors travel through the same outbox, so a stream ends exactly once, with
+the first error. However it ends, the session leaves the clock and its slot comes
+back only after its last engine work finished (scheduler.ConversationClock.close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+
+import grpc
+
+from duplex.v1 import talker_pb2, talker_pb2_grpc
+from services.common.checkpoint import CheckpointPaths, InvalidVoice
+from services.common.errors import Internal, InvalidArgument, StageError, Unavailable
+from services.common.stage_server import StageRpcs, StageRuntime, StageServer, validate_stream_id
+from services.talker.config import TalkerConfig
+from services.talker.metrics import TalkerMetrics
+from services.talker.scheduler import END, ConversationClock, Output, Ready, Session
+
+log = logging.getLogger("talker")
+
+CODEBOOKS = 8
+CARD = 2048
+MAX_TEMPERATURE = 100.0
+
+
+def engine_api():
+    """The engine module (imported late so this file's validation helpers load without it)."""
+    from services.talker import engine
+
+    return engine
+
+
+# ---- validation (everything is checked before a slot is taken) ------------------------------
+
+def parse_sampling(msg: talker_pb2.Sampling, text_card: int, card: int):
+    """Sampling message -> (engine SamplingParams, seed). Zero fields mean the model defaults."""
+    eng = engine_api()
+    d = eng.SamplingParams()
+    for name in ("text_temperature", "audio_temperature"):
+        v = getattr(msg, name)
+        if not math.isfinite(v) or v < 0 or v > MAX_TEMPERATURE:
+            raise InvalidArgument(f"sampling.{name} must be in [0, {MAX_TEMPERATURE:g}] (0 = default), got {v}",
+                                  kind="bad_sampling")
+    for name, bound in (("text_top_k", text_card), ("audio_top_k", card)):
+        v = getattr(msg, name)
+        if v > bound:
+            raise InvalidArgument(f"sampling.{name} must be in [0, {bound}] (0 = default), got {v}", kind="bad_sampling")
+    seed = msg.seed or (secrets.randbits(63) or 1)
+    params = eng.SamplingParams(
+        greedy=msg.greedy,
+        text_temperature=msg.text_temperature or d.text_temperature,
+        text_top_k=msg.text_top_k or d.text_top_k,
+        audio_temperature=msg.audio_temperature or d.audio_temperature,
+        audio_top_k=msg.audio_top_k or d.audio_top_k,
+        seed=seed,
+    )
+    return params, seed
+
+
+def parse_persona(text: str, max_chars: int) -> str:
+    if len(text) > max_chars:
+        raise InvalidArgument(f"persona has {len(text)} characters, at most {max_chars} allowed", kind="bad_persona")
+    bad = next((c for c in text if (ord(c) < 32 and c not in "\n\t\r") or c == "\x7f"), None)
+    if bad is not None:
+        raise InvalidArgument(f"persona contains the control character {bad!r}", kind="bad_persona")
+    return text
+
+
+def parse_codes(frame) -> list[int]:
+    codes = list(frame.codes)
+    if len(codes) != CODEBOOKS:
+        raise InvalidArgument(f"frame seq {frame.seq} has {len(codes)} codes, expected {CODEBOOKS}", kind="bad_codes")
+    bad = next((c for c in codes if c >= CARD), None)
+    if bad is not None:
+        raise InvalidArgument(f"frame seq {frame.seq} has code {bad}, codes must be in [0, {CARD})", kind="bad_codes")
+    return codes
+
+
+def as_stage_error(e: BaseException) -> StageError:
+    """An engine or clock failure -> the typed error that ends the stream."""
+    if isinstance(e, StageError):
+        return e
+    eng = engine_api()
+    typed = {InvalidVoice: "bad_voice", eng.InvalidPersona: "bad_persona", eng.InvalidSampling: "bad_sampling"}
+    for cls, kind in typed.items():
+        if isinstance(e, cls):
+            return InvalidArgument(str(e), kind=kind)
+    return Internal(f"talker engine failed: {type(e).__name__}: {e}", kind="engine")
+
+
+def to_response(item: Ready | Output) -> talker_pb2.TalkResponse:
+    if isinstance(item, Ready):
+        return talker_pb2.TalkResponse(ready=talker_pb2.TalkReady(
+            slot=item.slot, prefill_frames=item.prefill_frames, prefill_ms=item.prefill_ms,
+            output_delay_frames=item.output_delay_frames, seed=item.seed))
+    return talker_pb2.TalkResponse(output=talker_pb2.TalkOutput(
+        seq=item.seq, input_seq=item.input_seq, text_token=item.text_token, text_piece=item.text_piece,
+        agent_codes=item.agent_codes))
+
+
+# ---- the servicer ---------------------------------------------------------------------------
+
+class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
+    def __init__(self, runtime: StageRuntime, clock: ConversationClock, paths: CheckpointPaths, config: TalkerConfig,
+                 text_card: int, card: int):
+        self.runtime = runtime
+        self.clock = clock
+        self.paths = paths
+        self.config = config
+        self.text_card = text_card
+        self.card = card
+
+    def _parse_open(self, req) -> tuple[str, str | None, str, object, int]:
+        if req is grpc.aio.EOF or req is None:
+            raise InvalidArgument("the stream ended before its open message", kind="no_open")
+        if req.WhichOneof("kind") != "open":
+            raise InvalidArgument("the first message of a Talk stream must be `open`", kind="no_open")
+        o = req.open
+        validate_stream_id(o.stream.stream_id)
+        voice = o.voice or None
+        if voice is not None:
+            try:
+                self.paths.resolve_voice(voice)
+            except InvalidVoice as e:
+                raise InvalidArgument(str(e), kind="bad_voice") from None
+        persona = parse_persona(o.persona, self.config.max_persona_chars)
+        sampling, seed = parse_sampling(o.sampling, self.text_card, self.card)
+        return o.stream.stream_id, voice, persona, sampling, seed
+
+    async def Talk(self, request_iterator, context):
+        async with self.runtime.guard(context):
+            stream_id, voice, persona, sampling, seed = self._parse_open(await context.read())
+        handle = session = reader = None
+        reason = "error"
+        async with self.runtime.guard(context, stream_id):
+            try:
+                handle = self.runtime.open_stream(stream_id)
+                session = self.clock.open(stream_id, handle.slot, voice, persona, sampling, seed)
+                reader = asyncio.create_task(self._read_frames(handle, session, context), name=f"talk-read-{stream_id}")
+                while True:
+                    item = await session.outbox.get()
+                    if item is END:
+                        reason = "ok"
+                        return
+                    if isinstance(item, BaseException):
+                        err = as_stage_error(item)
+                        if isinstance(err, Unavailable) and err.kind == "drained":
+                            reason = "drained"
+                        raise err
+                    await context.write(to_response(item))
+                    if isinstance(item, Output):
+                        handle.frames += 1
+                        self.runtime.metrics.frames_out.inc()
+            except asyncio.CancelledError:
+                reason = "cancelled"
+                raise
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                if session is not None:
+                    self.clock.close(session)
+                if handle is not None:
+                    self.runtime.close_stream(handle, reason)
+
+    async def _read_frames(self, handle, session: Session, context) -> None:
+        """Validate and queue the client's frames; any error ends the stream through the outbox."""
+        try:
+            while True:
+                req = await handle.read(context)
+                if req is None:
+                    self.clock.input_done(session)
+                    return
+                if req.WhichOneof("kind") != "frame":
+                    raise InvalidArgument("after `open`, every message of a Talk stream must be a `frame`",
+                                          kind="bad_message")
+                handle.seq.check(req.frame.seq)
+                codes = parse_codes(req.frame)
+                self.clock.push(session, req.frame.seq, codes)
+                handle.seq.advance()
+                self.runtime.metrics.frames_in.inc()
+        except asyncio.CancelledError:
+            raise
+        except StageError as e:
+            self.clock.fail(session, e)
+        except Exception as e:  # a dropped connection surfaces here as an RpcError / aio error
+            log.debug("stream %s: reader ended: %r", handle.stream_id, e)
+            self.clock.fail(session, Internal(f"reading the stream failed: {e!r}", kind="read"))
+
+
+# ---- the process ---------------------------------------------------------------------------
+
+class TalkerService:
+    """Engine, clock, admission and the gRPC server of one Talker.
+
+        svc = TalkerService(TalkerConfig(checkpoint=..., port=0, metrics_port=-1))
+        await svc.start();  ... svc.address ...;  await svc.stop()
+    """
+
+    def __init__(self, config: TalkerConfig):
+        self.config = config
+        self.engine = None
+        self.clock: ConversationClock | None = None
+        self.server: StageServer | None = None
+
+    async def start(self) -> "TalkerService":
+        cfg = self.config
+        eng = engine_api()
+        paths = CheckpointPaths.open(cfg.checkpoint, require=("lm", "tokenizer"))
+        t0 = time.perf_counter()
+        # Loading is heavy; keep the loop free (nothing else runs yet, but signals still work).
+        self.engine = await asyncio.to_thread(
+            eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype)
+        log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), output delay %d frames",
+                 paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device, cfg.dtype,
+                 self.engine.output_delay_frames)
+        runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms))
+        metrics = TalkerMetrics(runtime.metrics)
+        self.clock = ConversationClock(
+            self.engine, runtime.pool, tick_s=cfg.tick_ms / 1000.0, max_backlog_frames=cfg.max_backlog_frames,
+            prefill_chunk_frames=cfg.prefill_chunk_frames, metrics=metrics)
+        servicer = TalkerServicer(runtime, self.clock, paths, cfg,
+                                  text_card=getattr(self.engine, "text_card", 32000),
+                                  card=getattr(self.engine, "card", CARD))
+        self.server = StageServer(
+            runtime,
+            register=lambda s: talker_pb2_grpc.add_TalkerServicer_to_server(servicer, s),
+            service_names=[talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name],
+            host=cfg.host, port=cfg.port, metrics_port=cfg.metrics_port, drain_deadline_s=cfg.drain_deadline_s)
+        self.clock.start()
+        await self.server.start()
+        return self
+
+    @property
+    def runtime(self) -> StageRuntime:
+        return self.server.runtime
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.server.port}"
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=0.5)
+        if self.clock is not None:
+            await self.clock.stop()
+
+    async def serve_until_signal(self) -> None:
+        try:
+            await self.server.serve_until_signal()
+        finally:
+            if self.clock is not None:
+                await self.clock.stop()
