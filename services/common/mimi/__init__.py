@@ -1,0 +1,14 @@
+"""Mimi, the 24 kHz neural audio codec of Moshi/PersonaPlex: our own torch implementation.
+
+    MimiConfig.tiny() / MimiConfig.full()      shapes
+    MimiModel(cfg)                             modules with the published state_dict key names
+    MimiModel.load(path, cfg, device, dtype)   strict loading of tokenizer-e351c8d8-checkpoint125.safetensors
+    model.encode(pcm [B,1,T]) / model.decode(codes [B,8,F])     one-shot
+    StreamingEncoder(model, slots) / StreamingDecoder(model, slots)   80 ms steps, per-slot state
+"""
+
+from .config import MimiConfig
+from .model import InvalidFrame, MimiModel
+from .streaming import StreamingDecoder, StreamingEncoder
+
+__all__ = ["MimiConfig", "MimiModel", "StreamingEncoder", "StreamingDecoder", "InvalidFrame"]
