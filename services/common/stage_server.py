@@ -146,9 +146,13 @@ class StageRuntime:
         try:
             yield
         except StageError as e:
-            self.metrics.error(e.kind)
-            self.log.warning("error stream=%s kind=%s code=%s: %s", stream_id, e.kind, e.code.name, e.message)
-            await e.abort(context)
+            await self.fail(context, e, stream_id)
+
+    async def fail(self, context: grpc.aio.ServicerContext, error: StageError, stream_id: str = "-") -> None:
+        """Count, log and send `error` as the RPC's status (raises, as grpc.aio's abort does)."""
+        self.metrics.error(error.kind)
+        self.log.warning("error stream=%s kind=%s code=%s: %s", stream_id, error.kind, error.code.name, error.message)
+        await error.abort(context)
 
     # -- admission state -----------------------------------------------------------------------
 

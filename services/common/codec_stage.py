@@ -1,0 +1,310 @@
+"""The batching and stream logic shared by the Mimi encoder and decoder services.
+
+CodecBatcher: frames from many streams are stepped together. Each stream has at
+most one frame pending (its handler waits for the answer before reading the
+next frame), so a batch is simply "every slot with a pending frame". The loop
+takes everything pending, pins those slots (slots.SlotPool), runs one
+`step(x[slots, ...], active[slots])` in a single worker thread so the event loop
+keeps serving reads, writes and health checks, unpins, and hands each stream its
+row. Resets run on the same single worker thread, so a reset can never overlap
+a step that touches the codec state.
+
+CodecStream.serve: one bidirectional stream, the same for both services:
+open -> slot (reset) -> `opened`; then per frame: seq check, payload check,
+batched step, one response with the same seq; end/cancel/error -> slot released
+(confirmed free only once no in-flight step touches it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+import torch
+
+from services.common.errors import Internal, InvalidArgument, StageError
+from services.common.stage_server import StageRpcs, StageRuntime, StageServer
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x[slots,...], active[slots]) -> out[slots,...]
+
+
+class CodecBatcher:
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        step: StepFn,
+        reset: Callable[[int], None],
+        in_shape: tuple[int, ...],
+        in_dtype: torch.dtype,
+        batch_wait_s: float = 0.0,
+    ):
+        self.runtime = runtime
+        self.pool = runtime.pool
+        self.metrics = runtime.metrics
+        self._step, self._reset = step, reset
+        self.in_shape, self.in_dtype = in_shape, in_dtype
+        self.batch_wait_s = batch_wait_s
+        self._pending: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
+        self._wake = asyncio.Event()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{runtime.stage}-step")
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._worker.shutdown(wait=True)
+
+    async def reset(self, slot: int) -> None:
+        """Reset a freshly acquired slot's codec state (on the worker, never during a step)."""
+        self.pool.pin([slot])
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self._reset, slot)
+        finally:
+            self.pool.unpin([slot])
+
+    async def submit(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """Queue one frame of `slot` for the next batch; returns its output row."""
+        if slot in self._pending:
+            raise Internal(f"slot {slot} already has a frame pending")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[slot] = (x, fut)
+        self._wake.set()
+        return await fut
+
+    def discard(self, slot: int) -> None:
+        """Drop a pending (not yet stepped) frame of a stream that ended."""
+        item = self._pending.pop(slot, None)
+        if item is not None and not item[1].done():
+            item[1].cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.batch_wait_s > 0:
+                await asyncio.sleep(self.batch_wait_s)  # let near-simultaneous frames join this batch
+            batch, self._pending = self._pending, {}
+            batch = {s: item for s, item in batch.items() if not item[1].done()}
+            if not batch:
+                continue
+            slots = sorted(batch)
+            x = torch.zeros((self.pool.total, *self.in_shape), dtype=self.in_dtype)
+            active = torch.zeros(self.pool.total, dtype=torch.bool)
+            for s in slots:
+                x[s] = batch[s][0]
+                active[s] = True
+            self.pool.pin(slots)
+            t0 = time.perf_counter()
+            try:
+                out = await loop.run_in_executor(self._worker, self._step, x, active)
+            except Exception as e:  # a failed step ends the streams in it, not the service
+                self.runtime.log.exception("step failed for slots %s", slots)
+                for s in slots:
+                    if not batch[s][1].done():
+                        batch[s][1].set_exception(Internal(f"{self.runtime.stage} step failed: {type(e).__name__}: {e}", kind="step_failed"))
+                continue
+            finally:
+                self.pool.unpin(slots)
+            self.steps += 1
+            self.metrics.observe_step(time.perf_counter() - t0, len(slots))
+            for s in slots:
+                if not batch[s][1].done():
+                    batch[s][1].set_result(out[s])
+
+
+class CodecStream:
+    """Serves Encode or Decode streams; the service supplies how to read and write its messages."""
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        batcher: CodecBatcher,
+        *,
+        frame_field: str,
+        parse_frame: Callable[[Any], torch.Tensor],
+        opened: Callable[[int], Any],
+        answer: Callable[[int, torch.Tensor], Any],
+    ):
+        self.runtime = runtime
+        self.batcher = batcher
+        self.frame_field = frame_field  # "frame" in both EncodeRequest and DecodeRequest
+        self.parse_frame = parse_frame  # frame message -> input tensor; raises InvalidArgument
+        self.opened = opened  # slot -> response
+        self.answer = answer  # (seq, output row) -> response
+
+    async def serve(self, context: grpc.aio.ServicerContext) -> None:
+        runtime, handle, reason, stream_id = self.runtime, None, "error", "-"
+        try:
+            first = await context.read()
+            if first is grpc.aio.EOF:
+                return
+            if first.WhichOneof("kind") != "open":
+                raise InvalidArgument("the first message of a stream must be `open` (with the stream id)", kind="not_open")
+            stream_id = first.open.stream_id
+            handle = runtime.open_stream(stream_id)
+            await self.batcher.reset(handle.slot)
+            await context.write(self.opened(handle.slot))
+            while True:
+                req = await handle.read(context)
+                if req is None:
+                    reason = "ok"
+                    return
+                if req.WhichOneof("kind") != self.frame_field:
+                    raise InvalidArgument(f"stream {stream_id!r} is already open; expected a `{self.frame_field}`", kind="not_frame")
+                frame = getattr(req, self.frame_field)
+                handle.seq.check(frame.seq)  # refused frames never reach the codec
+                x = self.parse_frame(frame)
+                handle.seq.advance()
+                runtime.metrics.frames_in.inc()
+                out = await self.batcher.submit(handle.slot, x)
+                await context.write(self.answer(frame.seq, out))
+                runtime.metrics.frames_out.inc()
+                handle.frames += 1
+        except asyncio.CancelledError:
+            reason = "cancelled"
+            raise
+        except StageError as e:
+            reason = "drained" if e.kind == "drained" else "error"
+            self._close(handle, reason)  # free the slot before telling the client
+            await runtime.fail(context, e, stream_id)
+        finally:
+            self._close(handle, reason)
+
+    def _close(self, handle, reason: str) -> None:
+        if handle is not None:
+            self.batcher.discard(handle.slot)
+            self.runtime.close_stream(handle, reason)
+
+
+@dataclass
+class CodecServiceConfig:
+    """What both codec services take (each service's config.py sets its own defaults)."""
+
+    checkpoint: str = ""  # checkpoint directory; "" = the embedded tiny random checkpoint
+    host: str = "0.0.0.0"
+    port: int = 0
+    metrics_port: int = 0  # -1 disables the /metrics endpoint
+    slots: int = 16  # concurrent streams (rows of the codec batch)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    batch_wait_ms: float = 0.0  # extra wait after the first pending frame before stepping
+    drain_deadline_s: float = 30.0  # SIGTERM: how long live streams may continue
+    log_level: str = "INFO"
+
+
+def load_mimi(cfg: CodecServiceConfig):
+    """The checkpoint's Mimi model (eval mode, on cfg.device) and its MimiConfig."""
+    from services.common.checkpoint import CheckpointPaths
+    from services.common.mimi import MimiConfig, MimiModel
+
+    root = cfg.checkpoint
+    if not root:
+        from tools.make_checkpoint import ensure_checkpoint
+
+        root = ensure_checkpoint("tiny", seed=0)
+    paths = CheckpointPaths.open(root, require=("mimi",))
+    section = paths.serve_config().get("mimi")
+    mimi_cfg = MimiConfig.from_dict(section) if section else MimiConfig.full()
+    model = MimiModel.load(paths.mimi, mimi_cfg, device=cfg.device, dtype=torch.float32)
+    return model, mimi_cfg
+
+
+class CodecServicer(StageRpcs):
+    """Base of the Encoder/Decoder servicers: GetCapacity, Drain, and `serve` for the stream RPC."""
+
+    def __init__(self, runtime: StageRuntime, stream: "CodecStream"):
+        self.runtime = runtime
+        self.stream = stream
+
+
+class CodecService:
+    """One codec service: runtime + batcher + stream logic + stage server. `await start()`, `await stop()`."""
+
+    def __init__(
+        self,
+        stage: str,
+        cfg: CodecServiceConfig,
+        *,
+        step: StepFn,
+        reset: Callable[[int], None],
+        in_shape: tuple[int, ...],
+        in_dtype: torch.dtype,
+        parse_frame: Callable[[Any], torch.Tensor],
+        opened: Callable[[int], Any],
+        answer: Callable[[int, torch.Tensor], Any],
+        servicer_cls: type[CodecServicer],
+        add_servicer: Callable[[Any, grpc.aio.Server], None],
+        service_name: str,
+    ):
+        self.cfg = cfg
+        self.runtime = StageRuntime(stage, cfg.slots)
+        self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype, batch_wait_s=cfg.batch_wait_ms / 1000)
+        self.stream = CodecStream(self.runtime, self.batcher, frame_field="frame", parse_frame=parse_frame,
+                                  opened=opened, answer=answer)
+        servicer = servicer_cls(self.runtime, self.stream)
+        self.server = StageServer(
+            self.runtime, register=lambda server: add_servicer(servicer, server), service_names=[service_name],
+            host=cfg.host, port=cfg.port, metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+            drain_deadline_s=cfg.drain_deadline_s,
+        )
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.server.metrics_port
+
+    async def start(self) -> "CodecService":
+        self.batcher.start()
+        await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=0.5)
+        await self.batcher.stop()
+
+    async def serve_until_signal(self) -> None:
+        await self.start()
+        try:
+            await self.server.serve_until_signal()
+        finally:
+            await self.batcher.stop()
+
+
+def inference_step(step: StepFn, device: str) -> StepFn:
+    """Wrap a codec's batched step for the worker thread: inputs to `device`, no autograd, output back on CPU."""
+
+    @torch.inference_mode()
+    def run(x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        return step(x.to(device), active.to(device)).cpu()
+
+    return run
+
+
+def run_main(service_factory, cfg: CodecServiceConfig) -> None:
+    """Process entry point shared by `python -m services.encoder` / `services.decoder`."""
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+
+    async def main() -> None:
+        service = service_factory(cfg)
+        await service.serve_until_signal()
+
+    asyncio.run(main())
