@@ -1,0 +1,123 @@
+"""The gateway's configuration: one typed place, defaults that run on a laptop CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+API_KEY_ENV = "PERSONAPLEX_GATEWAY_API_KEY"
+
+
+@dataclass(frozen=True)
+class CellAddress:
+    """One cell: the addresses (host:port) of its encoder, talker and decoder."""
+
+    encoder: str
+    talker: str
+    decoder: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.encoder},{self.talker},{self.decoder}"
+
+    @classmethod
+    def parse(cls, text: str) -> "CellAddress":
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 3 or not all(_is_host_port(p) for p in parts):
+            raise ValueError(f"a cell is 'encoder_host:port,talker_host:port,decoder_host:port', got {text!r}")
+        return cls(*parts)
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(host) and bool(sep) and port.isdigit() and 0 < int(port) < 65536
+
+
+def parse_cells(text: str) -> tuple[CellAddress, ...]:
+    """'enc:p,talk:p,dec:p;enc:p,talk:p,dec:p' -> cells."""
+    return tuple(CellAddress.parse(c) for c in text.split(";") if c.strip())
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Cells: a static list, or the DNS name of a headless Service whose A records are
+    # pods that each run the three stages on the ports below.
+    cells: tuple[CellAddress, ...] = ()
+    cells_dns: str | None = None
+    dns_ports: tuple[int, int, int] = (50051, 50052, 50053)
+    dns_refresh_s: float = 5.0
+    # How often each stage's GetCapacity is polled, and how long one poll may take.
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 0.4
+    # Opening a session's three streams includes the talker's prompt prefill.
+    open_timeout_s: float = 30.0
+    # A close must be acknowledged by all three stages within this bound.
+    cleanup_timeout_s: float = 3.0
+    # With input frames outstanding and no output for this long, a stage is declared stalled.
+    stall_timeout_s: float = 3.0
+    # Operator-configured bearer key; None (the default) means no check.
+    api_key: str | None = None
+    model: str = "nvidia/personaplex-7b-v1"
+    default_voice: str = ""
+    default_instructions: str = "You enjoy having a good conversation."
+    max_instructions_chars: int = 4000
+    # Client input bounds: one packet at most this many samples (10 s), one message this many bytes.
+    max_packet_samples: int = 240_000
+    max_message_bytes: int = 2 * 1024 * 1024
+    # Output events buffered for a client before it is declared too slow and cut off.
+    output_queue_events: int = 400
+    static_dir: Path = field(default=STATIC_DIR)
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "GatewayConfig":
+        p = argparse.ArgumentParser(prog="python -m services.gateway", description="PersonaPlex Realtime gateway")
+        d = cls()
+        p.add_argument("--host", default=d.host)
+        p.add_argument("--port", type=int, default=d.port)
+        p.add_argument("--cells", default="", help="static cells: 'enc:port,talk:port,dec:port;...'")
+        p.add_argument("--cells-file", default=None, help="JSON file: list of {encoder, talker, decoder}")
+        p.add_argument("--cells-dns", default=None, help="headless Service name; each address is one cell")
+        p.add_argument("--dns-ports", default=",".join(map(str, d.dns_ports)), help="encoder,talker,decoder ports for --cells-dns")
+        p.add_argument("--poll-interval", type=float, default=d.poll_interval_s)
+        p.add_argument("--open-timeout", type=float, default=d.open_timeout_s)
+        p.add_argument("--cleanup-timeout", type=float, default=d.cleanup_timeout_s)
+        p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s)
+        p.add_argument("--api-key-env", default=API_KEY_ENV, help="environment variable holding the bearer key (unset: no check)")
+        p.add_argument("--model", default=d.model)
+        p.add_argument("--default-voice", default=d.default_voice)
+        p.add_argument("--default-instructions", default=d.default_instructions)
+        p.add_argument("--output-queue-events", type=int, default=d.output_queue_events)
+        p.add_argument("--static-dir", default=str(d.static_dir))
+        a = p.parse_args(argv)
+        cells = parse_cells(a.cells) if a.cells else ()
+        if a.cells_file:
+            with open(a.cells_file) as f:
+                cells += tuple(CellAddress(c["encoder"], c["talker"], c["decoder"]) for c in json.load(f))
+        if not cells and not a.cells_dns:
+            p.error("give --cells, --cells-file or --cells-dns")
+        ports = tuple(int(x) for x in a.dns_ports.split(","))
+        if len(ports) != 3:
+            p.error("--dns-ports needs three ports")
+        return cls(
+            host=a.host,
+            port=a.port,
+            cells=cells,
+            cells_dns=a.cells_dns,
+            dns_ports=ports,  # type: ignore[arg-type]
+            poll_interval_s=a.poll_interval,
+            open_timeout_s=a.open_timeout,
+            cleanup_timeout_s=a.cleanup_timeout,
+            stall_timeout_s=a.stall_timeout,
+            api_key=os.environ.get(a.api_key_env) or None,
+            model=a.model,
+            default_voice=a.default_voice,
+            default_instructions=a.default_instructions,
+            output_queue_events=a.output_queue_events,
+            static_dir=Path(a.static_dir),
+        )

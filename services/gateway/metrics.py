@@ -1,0 +1,45 @@
+"""The gateway's Prometheus metrics (served at /metrics on the gateway's own port).
+
+    gateway_sessions_active{protocol}               gauge
+    gateway_sessions_opened_total{protocol}         counter
+    gateway_sessions_refused_total{protocol,code}   counter: resource_exhausted, runtime_open_failed, ...
+    gateway_frames_in_total                         counter: 1920-sample frames handed to encoders
+    gateway_frames_out_total                        counter: 1920-sample frames sent to clients
+    gateway_frame_latency_seconds                   histogram: input frame handed to the encoder -> its output PCM back
+    gateway_errors_total{type,code}                 counter: every error event/close reason sent to a client
+    gateway_cleanup_unconfirmed_total               counter: sessions whose streams were not acknowledged closed in time
+    gateway_slow_client_cutoffs_total               counter
+    gateway_cell_free_slots{cell} / gateway_cell_serving{cell}   gauges from the last capacity poll
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.sessions_active = Gauge("gateway_sessions_active", "Sessions open now", ["protocol"], registry=r)
+        self.sessions_opened = Counter("gateway_sessions_opened_total", "Sessions admitted", ["protocol"], registry=r)
+        self.sessions_refused = Counter("gateway_sessions_refused_total", "Sessions refused at open", ["protocol", "code"], registry=r)
+        self.frames_in = Counter("gateway_frames_in_total", "Input frames handed to an encoder", registry=r)
+        self.frames_out = Counter("gateway_frames_out_total", "Output frames sent to clients", registry=r)
+        self.frame_latency = Histogram(
+            "gateway_frame_latency_seconds", "Input frame to encoder -> its output PCM at the gateway", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.errors = Counter("gateway_errors_total", "Errors reported to clients", ["type", "code"], registry=r)
+        self.cleanup_unconfirmed = Counter("gateway_cleanup_unconfirmed_total", "Sessions whose stream ends were not acknowledged in time", registry=r)
+        self.slow_client_cutoffs = Counter("gateway_slow_client_cutoffs_total", "Clients cut off for not reading", registry=r)
+        self.cell_free = Gauge("gateway_cell_free_slots", "Free session slots per cell (last poll)", ["cell"], registry=r)
+        self.cell_serving = Gauge("gateway_cell_serving", "1 when all three stages of the cell answer", ["cell"], registry=r)
+
+    def observe_cells(self, pool) -> None:
+        for cell in pool.cells.values():
+            self.cell_free.labels(cell.name).set(cell.free_slots)
+            self.cell_serving.labels(cell.name).set(1 if cell.serving else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

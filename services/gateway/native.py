@@ -1,0 +1,162 @@
+"""PersonaPlex's native `/api/chat` protocol: binary messages, first byte = kind.
+
+    0  handshake  server -> client, once the prompt prefill is done
+    1  audio      Ogg/Opus pages at 24 kHz, both directions (sphn encodes and decodes)
+    2  text       server -> client, a UTF-8 text piece (special tokens are never sent)
+    5  error      server -> client, a UTF-8 message, sent before the socket closes on a refusal
+
+Query: `voice_prompt` (a bundled basename such as NATF2.pt), `text_prompt` (the persona),
+optional `seed`. The session's audio is regrouped into 1920-sample frames exactly as on
+the Realtime wire and goes through the same pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+
+import numpy as np
+import sphn
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from duplex.v1 import talker_pb2
+from services.gateway import audio
+from services.gateway.pipeline import OpenParams, OutputFrame, PipelineError, open_on_cells
+
+log = logging.getLogger("gateway.native")
+
+KIND_HANDSHAKE, KIND_AUDIO, KIND_TEXT, KIND_ERROR = 0, 1, 2, 5
+_VOICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}\.pt$")
+
+
+class NativeSession:
+    def __init__(self, ws: ServerConnection, ctx, query: dict[str, str]):
+        self.ws, self.ctx, self.cfg = ws, ctx, ctx.config
+        self.query = query
+        self.session_id = "chat_" + secrets.token_hex(8)
+        self._out: asyncio.Queue = asyncio.Queue(maxsize=self.cfg.output_queue_events)
+        self._ended = asyncio.Event()
+        self._close = (1000, "session closed")
+        self._opus_in = sphn.OpusStreamReader(audio.SAMPLE_RATE)
+        self._opus_out = sphn.OpusStreamWriter(audio.SAMPLE_RATE)
+        self._assembler = audio.FrameAssembler()
+        self._pipeline = None
+
+    def _send(self, kind: int, payload: bytes) -> None:
+        try:
+            self._out.put_nowait(bytes([kind]) + payload)
+        except asyncio.QueueFull:
+            if not self._ended.is_set():
+                log.warning("chat %s cut off: client is not reading (%d messages queued)", self.session_id, self._out.qsize())
+                self.ctx.metrics.slow_client_cutoffs.inc()
+                self._close = (1008, "client not reading output")
+                self._ended.set()
+
+    async def _refuse(self, type_: str, code: str, message: str, close_code: int) -> None:
+        self.ctx.metrics.errors.labels(type_, code).inc()
+        self.ctx.metrics.sessions_refused.labels("native", code).inc()
+        log.info("chat %s refused: %s %s", self.session_id, code, message)
+        try:
+            await self.ws.send(bytes([KIND_ERROR]) + f"{code}: {message}".encode())
+        except ConnectionClosed:
+            pass
+        await self.ws.close(close_code, code)
+
+    async def run(self) -> None:
+        voice = self.query.get("voice_prompt", self.cfg.default_voice)
+        persona = self.query.get("text_prompt", self.cfg.default_instructions)
+        seed = self.query.get("seed", "0")
+        if voice and not _VOICE.match(voice):
+            return await self._refuse("invalid_request_error", "invalid_voice", f"voice_prompt {voice!r} is not a bundled basename such as NATF2.pt", 1008)
+        if len(persona) > self.cfg.max_instructions_chars or not seed.isdigit():
+            return await self._refuse("invalid_request_error", "bad_event", "text_prompt too long or seed not a non-negative integer", 1008)
+        if not self.ctx.pool.healthy():
+            return await self._refuse("server_error", "runtime_open_failed", "no cell is serving", 1011)
+        try:
+            params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona, talker_pb2.Sampling(seed=int(seed)))  # noqa: E731
+            self._pipeline = await open_on_cells(self.ctx.pool.candidates(), params, open_timeout_s=self.cfg.open_timeout_s,
+                                                 stall_timeout_s=self.cfg.stall_timeout_s, cleanup_timeout_s=self.cfg.cleanup_timeout_s)
+        except PipelineError as e:
+            return await self._refuse(e.error_type, e.code, e.message, 1013 if e.code == "resource_exhausted" else 1008 if e.client_fault else 1011)
+        p = self._pipeline
+        p.on_output = self._on_output
+        p.on_error = self._on_error
+        self.ctx.metrics.sessions_opened.labels("native").inc()
+        self.ctx.metrics.sessions_active.labels("native").inc()
+        log.info("chat %s open on cell %s", self.session_id, p.cell.name)
+        self._send(KIND_HANDSHAKE, b"")
+        writer = asyncio.create_task(self._write_loop())
+        reader = asyncio.create_task(self._read_loop())
+        ended = asyncio.create_task(self._ended.wait())
+        try:
+            await asyncio.wait({reader, writer, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (reader, ended):
+                t.cancel()
+            await asyncio.gather(reader, ended, return_exceptions=True)
+            if not await p.abort():
+                self.ctx.metrics.cleanup_unconfirmed.inc()
+            self.ctx.metrics.sessions_active.labels("native").dec()
+            log.info("chat %s released (frames in %d, out %d)", self.session_id, p.frames_in, p.frames_out)
+            if self._close[0] != 1008 and not writer.done():
+                if not self._out.full():
+                    self._out.put_nowait(None)
+                try:
+                    await asyncio.wait_for(asyncio.shield(writer), 2.0)
+                except (asyncio.TimeoutError, ConnectionClosed):
+                    pass
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            await self.ws.close(*self._close)
+
+    async def _write_loop(self) -> None:
+        while (msg := await self._out.get()) is not None:
+            await self.ws.send(msg)
+
+    async def _read_loop(self) -> None:
+        async for message in self.ws:
+            if isinstance(message, str) or not message:
+                self._error("bad_event", "messages are binary: one kind byte, then the payload")
+                continue
+            kind, payload = message[0], message[1:]
+            if kind != KIND_AUDIO:
+                self._error("unknown_event", f"message kind {kind} is not accepted from clients (1 = Ogg/Opus audio)")
+                continue
+            try:
+                pcm = self._opus_in.append_bytes(payload)
+            except ValueError as e:
+                # The Ogg stream is now out of step; a fresh reader starts at the next page.
+                self._opus_in = sphn.OpusStreamReader(audio.SAMPLE_RATE)
+                self._error("bad_audio", f"not Ogg/Opus: {e}")
+                continue
+            if pcm.size and not np.isfinite(pcm).all():
+                self._error("bad_audio", "decoded audio is not finite")
+                continue
+            for frame in self._assembler.push(np.asarray(pcm, dtype=np.float32)):
+                try:
+                    await self._pipeline.send_frame(frame)
+                except PipelineError:
+                    return
+                self.ctx.metrics.frames_in.inc()
+
+    def _error(self, code: str, message: str, type_: str = "invalid_request_error") -> None:
+        self.ctx.metrics.errors.labels(type_, code).inc()
+        log.info("chat %s: %s %s", self.session_id, code, message)
+        self._send(KIND_ERROR, f"{code}: {message}".encode())
+
+    def _on_output(self, f: OutputFrame) -> None:
+        data = self._opus_out.append_pcm(np.clip(f.pcm, -1.0, 1.0))
+        if data:
+            self._send(KIND_AUDIO, data)
+        if f.text:
+            self._send(KIND_TEXT, f.text.encode("utf-8"))
+        self.ctx.metrics.frames_out.inc()
+        self.ctx.metrics.frame_latency.observe(f.latency_s)
+
+    def _on_error(self, err: PipelineError) -> None:
+        self._error(err.code, err.message, err.error_type)
+        self._close = (1011, err.code)
+        self._ended.set()

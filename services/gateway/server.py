@@ -1,0 +1,142 @@
+"""HTTP + WebSocket routing on one port.
+
+    /v1/realtime   WebSocket: the Realtime duplex wire (realtime.py); query duplex=1|true|on (or absent)
+    /api/chat      WebSocket: PersonaPlex's native Ogg/Opus protocol (native.py)
+    /health        200 when every stage of at least one cell is serving, else 503
+    /metrics       Prometheus text format
+    /              the browser page: files of the static folder (index.html at /)
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import mimetypes
+from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from services.gateway.cells import CellPool
+from services.gateway.config import GatewayConfig
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.native import NativeSession
+from services.gateway.realtime import FALSE, TRUE, RealtimeSession
+
+log = logging.getLogger("gateway.server")
+
+WS_PATHS = ("/v1/realtime", "/api/chat")
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".json": "application/json",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".ico": "image/x-icon",
+    ".wasm": "application/wasm",
+    ".wav": "audio/wav",
+    ".txt": "text/plain; charset=utf-8",
+}
+
+
+def _response(status: int, body: bytes, content_type: str, extra: list[tuple[str, str]] = ()) -> Response:
+    import http
+
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))), ("Cache-Control", "no-store"), *extra])
+    return Response(status, http.HTTPStatus(status).phrase, headers, body)
+
+
+def _json(status: int, obj: dict) -> Response:
+    return _response(status, json.dumps(obj).encode(), "application/json")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
+        self.server: Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return next(iter(self.server.sockets)).getsockname()[1]
+
+    async def start(self) -> None:
+        await self.pool.start()
+        await self.pool.wait_first_poll()
+        self.server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            max_size=self.config.max_message_bytes,
+            server_header="personaplex-gateway",
+        )
+        log.info("gateway listening on http://%s:%d (%d cell(s) configured%s)", self.config.host, self.port, len(self.config.cells),
+                 f", DNS {self.config.cells_dns}" if self.config.cells_dns else "")
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()  # closes live sockets (1001); their sessions release their streams
+            await self.server.wait_closed()
+        await self.pool.stop()
+
+    # ---- HTTP -------------------------------------------------------------
+
+    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        url = urlsplit(request.path)
+        path = url.path
+        if path in WS_PATHS:
+            if request.headers.get("Upgrade", "").lower() != "websocket":
+                return _response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8", [("Upgrade", "websocket")])
+            if not self._authorized(request):
+                self.metrics.errors.labels("invalid_request_error", "unauthorized").inc()
+                return _json(401, {"error": {"type": "invalid_request_error", "code": "unauthorized", "message": "missing or wrong bearer API key"}})
+            query = dict(parse_qsl(url.query))
+            duplex = query.get("duplex", "1").lower()
+            if path == "/v1/realtime" and duplex not in TRUE:
+                why = "this server only speaks the duplex wire (duplex=1)" if duplex in FALSE else f"duplex={duplex!r} is not 1|true|on"
+                return _json(400, {"error": {"type": "invalid_request_error", "code": "bad_request", "message": why}})
+            return None  # go on with the WebSocket handshake
+        if path == "/health":
+            healthy = self.pool.healthy()
+            body = {"status": "ok" if healthy else "unavailable", **self.pool.capacity_summary(),
+                    "cell_detail": [c.describe() for c in self.pool.cells.values()]}
+            return _json(200 if healthy else 503, body)
+        if path == "/metrics":
+            return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+        return self._static(path)
+
+    def _authorized(self, request: Request) -> bool:
+        key = self.config.api_key
+        if not key:
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    def _static(self, path: str) -> Response:
+        root = Path(self.config.static_dir).resolve()
+        rel = "index.html" if path in ("", "/") else path.lstrip("/")
+        target = (root / rel).resolve()
+        if root not in target.parents or not target.is_file():
+            return _response(404, b"not found\n", "text/plain; charset=utf-8")
+        ctype = _CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        return _response(200, target.read_bytes(), ctype)
+
+    # ---- WebSocket ---------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        url = urlsplit(ws.request.path)
+        query = dict(parse_qsl(url.query))
+        session = RealtimeSession(ws, self, query) if url.path == "/v1/realtime" else NativeSession(ws, self, query)
+        try:
+            await session.run()
+        except Exception:
+            log.exception("session on %s ended with an unexpected error", url.path)
+            self.metrics.errors.labels("server_error", "internal").inc()
