@@ -1,0 +1,179 @@
+"""The gateway's pure protocol layer: audio validation, framing, session.update rules, capabilities, Opus."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import sphn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway import audio
+from services.gateway.config import CellAddress, GatewayConfig, parse_cells
+from services.gateway.realtime import ClientError, SessionSettings, capabilities, parse_session_update
+
+DEFAULT = SessionSettings(voice="", instructions="hello")
+
+
+# ---- audio -----------------------------------------------------------------
+
+def test_strict_base64_refuses_whitespace_urlsafe_and_non_strings():
+    good = base64.b64encode(b"\x01\x02\x03\x04").decode()
+    assert audio.b64decode_strict(good) == b"\x01\x02\x03\x04"
+    for bad in ["AQID BA==", "AQIDBA", "AQ-_", "AQIDBA==\n", 123, None, "é"]:
+        with pytest.raises(audio.AudioError) as e:
+            audio.b64decode_strict(bad)
+        assert e.value.code == "bad_audio"
+
+
+@pytest.mark.parametrize(
+    "data,fmt,code",
+    [
+        (b"", audio.PCM16, "bad_audio"),
+        (b"\x00\x00\x00", audio.PCM16, "bad_audio"),  # 1.5 samples
+        (b"\x00" * 6, audio.PCM_F32LE, "bad_audio"),  # 1.5 samples
+        (np.array([0.1, np.nan], "<f4").tobytes(), audio.PCM_F32LE, "bad_audio"),
+        (np.array([np.inf], "<f4").tobytes(), audio.PCM_F32LE, "bad_audio"),
+        (b"\x00\x00", "mulaw", "unsupported_audio_format"),
+        (b"\x00\x00" * 11, audio.PCM16, "bad_audio"),  # over the per-packet bound of 10
+    ],
+)
+def test_bad_pcm_is_refused_with_its_code(data, fmt, code):
+    with pytest.raises(audio.AudioError) as e:
+        audio.pcm_bytes_to_f32(data, fmt, max_samples=10)
+    assert e.value.code == code
+
+
+def test_pcm16_and_f32_conversions_round_trip():
+    x = np.array([0.0, 0.5, -0.5, 0.999, -1.0], dtype=np.float32)
+    f32 = audio.pcm_bytes_to_f32(x.astype("<f4").tobytes(), audio.PCM_F32LE, 100)
+    np.testing.assert_array_equal(f32, x)
+    back = audio.pcm_bytes_to_f32(audio.f32_to_pcm16_bytes(x), audio.PCM16, 100)
+    np.testing.assert_allclose(back, x, atol=2 / 32768)
+    # Out-of-range and non-finite output is clipped / zeroed, never wrapped.
+    clipped = np.frombuffer(audio.f32_to_pcm16_bytes(np.array([2.0, -3.0, np.nan], np.float32)), "<i2")
+    assert clipped.tolist() == [32767, -32767, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=5000), min_size=1, max_size=12))
+def test_frame_assembler_regroups_any_packet_sizes_losslessly(sizes):
+    rng = np.random.default_rng(len(sizes))
+    packets = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    asm = audio.FrameAssembler()
+    frames = [f for p in packets for f in asm.push(p)]
+    total = sum(sizes)
+    assert len(frames) == total // audio.FRAME_SAMPLES
+    assert asm.pending_samples == total % audio.FRAME_SAMPLES
+    last = asm.flush()
+    assert (last is None) == (total % audio.FRAME_SAMPLES == 0)
+    out = np.concatenate(frames + ([last] if last is not None else []))
+    np.testing.assert_array_equal(out[:total], np.concatenate(packets))
+    assert not out[total:].any()  # only the final residual is zero-padded
+    assert asm.flush() is None
+
+
+def test_frame_assembler_clear_drops_only_the_residual():
+    asm = audio.FrameAssembler()
+    assert len(asm.push(np.ones(2000, np.float32))) == 1
+    assert asm.clear() == 80
+    assert asm.flush() is None
+
+
+def test_sphn_opus_round_trip_at_24khz():
+    t = np.arange(audio.FRAME_SAMPLES * 10) / audio.SAMPLE_RATE
+    x = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    w, r = sphn.OpusStreamWriter(audio.SAMPLE_RATE), sphn.OpusStreamReader(audio.SAMPLE_RATE)
+    out = [r.append_bytes(w.append_pcm(x[i : i + audio.FRAME_SAMPLES])) for i in range(0, x.size, audio.FRAME_SAMPLES)]
+    y = np.concatenate(out)
+    assert y.size >= audio.FRAME_SAMPLES * 8 and np.isfinite(y).all()
+    assert np.sqrt(np.mean(y[audio.FRAME_SAMPLES :] ** 2)) > 0.1  # the tone survives the codec
+
+
+# ---- session.update ----------------------------------------------------------
+
+def test_ga_session_update_sets_pcm16_voice_and_persona():
+    s = parse_session_update(
+        {
+            "type": "realtime",
+            "model": "m",
+            "output_modalities": ["audio"],
+            "instructions": "You are a pirate.",
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None},
+                      "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "NATF2.pt"}},
+        },
+        DEFAULT,
+        100,
+    )
+    assert (s.input_format, s.voice, s.instructions, s.input_format_explicit) == ("pcm16", "NATF2.pt", "You are a pirate.", True)
+
+
+def test_beta_session_update_sets_f32_and_extra_body():
+    s = parse_session_update(
+        {"input_audio_format": "pcm_f32le", "output_audio_format": "pcm16", "voice": "NATM1.pt", "turn_detection": None,
+         "modalities": ["audio", "text"], "extra_body": {"auto_response": True, "legacy_event_names": True, "seed": 7, "greedy": True}},
+        DEFAULT,
+        100,
+    )
+    assert (s.input_format, s.voice, s.legacy_event_names, s.seed, s.greedy) == ("pcm_f32le", "NATM1.pt", True, 7, True)
+    assert s.sampling().seed == 7 and s.sampling().greedy
+
+
+@pytest.mark.parametrize(
+    "session,code",
+    [
+        ("nope", "bad_event"),
+        ({"tools": []}, "bad_event"),
+        ({"id": "x"}, "bad_event"),  # server-owned
+        ({"type": "transcription"}, "bad_event"),
+        ({"input_audio_format": "g711_ulaw"}, "unsupported_audio_format"),
+        ({"output_audio_format": "pcm_f32le"}, "unsupported_audio_format"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "unsupported_audio_format"),
+        ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "unsupported_audio_format"),
+        ({"turn_detection": {"type": "server_vad"}}, "unsupported_feature"),
+        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "unsupported_feature"),
+        ({"voice": "../etc/passwd.pt"}, "invalid_voice"),
+        ({"voice": "alloy"}, "invalid_voice"),
+        ({"voice": "/abs/NATF2.pt"}, "invalid_voice"),
+        ({"instructions": "x" * 101}, "bad_event"),
+        ({"instructions": 5}, "bad_event"),
+        ({"modalities": ["text"]}, "bad_event"),
+        ({"extra_body": {"auto_response": False}}, "unsupported_feature"),
+        ({"extra_body": {"tools": 1}}, "bad_event"),
+        ({"extra_body": {"seed": -1}}, "bad_event"),
+    ],
+)
+def test_bad_session_update_is_refused_whole(session, code):
+    with pytest.raises(ClientError) as e:
+        parse_session_update(session, DEFAULT, 100)
+    assert e.value.code == code
+
+
+def test_capabilities_follow_configured_capacity():
+    one = capabilities({"total_slots": 1, "max_cell_slots": 1})
+    assert not one["supports_multi_session"] and not one["supports_multi_session_same_replica"]
+    two_cells = capabilities({"total_slots": 2, "max_cell_slots": 1})
+    assert two_cells["supports_multi_session"] and not two_cells["supports_multi_session_same_replica"]
+    c = capabilities({"total_slots": 4, "max_cell_slots": 2}, output_delay_frames=2)
+    assert c["supports_multi_session_same_replica"] and c["max_sessions"] == 4 and c["output_delay_frames"] == 2
+    assert c["implementation_level"] == "model_native_duplex" and c["chunk_period_ms"] == 80
+    assert c["supports_barge_in"] is False and c["supports_session_resume"] is False and c["input_modes"] == ["append_audio_chunk"]
+
+
+# ---- config ------------------------------------------------------------------
+
+def test_cells_parse_and_refuse_malformed():
+    cells = parse_cells("a:1,b:2,c:3; 10.0.0.1:50051,10.0.0.1:50052,10.0.0.1:50053")
+    assert cells == (CellAddress("a:1", "b:2", "c:3"), CellAddress("10.0.0.1:50051", "10.0.0.1:50052", "10.0.0.1:50053"))
+    for bad in ["a:1,b:2", "a:1,b:2,c", "a:1,b:2,c:99999"]:
+        with pytest.raises(ValueError):
+            parse_cells(bad)
+
+
+def test_config_from_args_reads_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    c = GatewayConfig.from_args(["--cells", "a:1,b:2,c:3", "--api-key-env", "MY_KEY", "--port", "0"])
+    assert c.api_key == "s3cret" and c.port == 0 and len(c.cells) == 1
+    assert GatewayConfig.from_args(["--cells", "a:1,b:2,c:3", "--api-key-env", "UNSET_VAR_X"]).api_key is None
