@@ -1,0 +1,77 @@
+"""The SentencePiece text tokenizer of a checkpoint (`tokenizer_spm_32k_3.model`).
+
+Ids 0..3 are special in PersonaPlex: 0 end-pad (also unk), 1 BOS, 2 EOS, 3 PAD. The model
+emits PAD (3) on most frames; only real pieces become transcript text. The persona prompt is
+wrapped in `<system>` tags, which the tokenizer keeps as one piece.
+
+    tok = TextTokenizer.load(paths.tokenizer)
+    tok.encode_persona("You are kind.")   # [<system>, ..., <system>] ids, no BOS/EOS
+    tok.piece(1234)                        # " hello" (word mark -> space), "" for 0..3
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sentencepiece as spm
+
+PAD_ID = 3
+NUM_SPECIAL = 4  # ids 0..3: end-pad/unk, BOS, EOS, PAD
+SYSTEM_TAG = "<system>"
+_WORD_MARK = "\u2581"  # SentencePiece's "▁"
+
+
+class InvalidText(ValueError):
+    """Text that cannot be tokenized (not a str, or contains NUL / unpaired surrogates)."""
+
+
+class TextTokenizer:
+    def __init__(self, processor: spm.SentencePieceProcessor):
+        self.sp = processor
+        self.vocab_size = processor.get_piece_size()
+        # Pieces decoded once: text_piece() runs for every slot on every frame.
+        self._pieces = [self._render(i) for i in range(self.vocab_size)]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TextTokenizer":
+        sp = spm.SentencePieceProcessor()
+        if not sp.Load(str(path)):  # pragma: no cover - Load raises on failure in 0.2
+            raise OSError(f"cannot load SentencePiece model {path}")
+        return cls(sp)
+
+    def _render(self, i: int) -> str:
+        if i < NUM_SPECIAL or self.sp.IsControl(i) or self.sp.IsUnknown(i):
+            return ""
+        return self.sp.IdToPiece(i).replace(_WORD_MARK, " ")
+
+    def piece(self, token: int) -> str:
+        """The transcript text of one text token: word mark -> space; "" for specials and out-of-vocab ids."""
+        if 0 <= token < self.vocab_size:
+            return self._pieces[token]
+        return ""
+
+    def encode(self, text: str) -> list[int]:
+        """Plain ids, no BOS/EOS."""
+        if not isinstance(text, str):
+            raise InvalidText(f"text must be a str, got {type(text).__name__}")
+        if "\x00" in text:
+            raise InvalidText("text contains a NUL character")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidText(f"text is not valid Unicode: {e.reason}") from None
+        return list(self.sp.EncodeAsIds(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.DecodeIds([i for i in ids if i >= NUM_SPECIAL])
+
+    @staticmethod
+    def wrap_persona(text: str) -> str:
+        """`<system> text <system>` as the reference prompt builder does (unless already wrapped)."""
+        t = text.strip()
+        if t.startswith(SYSTEM_TAG) and t.endswith(SYSTEM_TAG) and len(t) >= 2 * len(SYSTEM_TAG):
+            return t
+        return f"{SYSTEM_TAG} {t} {SYSTEM_TAG}"
+
+    def encode_persona(self, text: str) -> list[int]:
+        return self.encode(self.wrap_persona(text))
