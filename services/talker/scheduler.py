@@ -82,6 +82,7 @@ class Session:
     live: bool = False  # prefill done, Ready sent: the clock steps it
     closed: bool = False  # no more engine work for it
     input_done: bool = False  # the client half-closed: end once the queue is drained
+    stepping: bool = False  # a frame of it is in the step running now (its output is still to come)
     failed: bool = False  # an error went to its outbox: no more engine work
     prefilled: int = 0  # prompt frames run so far
     out_seq: int = 0
@@ -262,6 +263,7 @@ class ConversationClock:
             seq, frame = s.inputs.popleft()
             codes[s.slot] = torch.tensor(frame, dtype=torch.long)
             active[s.slot] = True
+            s.stepping = True
             taken.append((s, seq))
         slots = [s.slot for s, _ in taken]
         self.pool.pin(slots)
@@ -274,6 +276,8 @@ class ConversationClock:
             raise
         finally:
             self.pool.unpin(slots)
+            for s, _ in taken:
+                s.stepping = False
         dt = time.perf_counter() - t0
         self._step_s = dt if self.steps == 0 else 0.8 * self._step_s + 0.2 * dt
         self.steps += 1
@@ -356,7 +360,7 @@ class ConversationClock:
     # ---- endings ----------------------------------------------------------------------------
 
     def _maybe_end(self, s: Session) -> None:
-        if s.input_done and s.live and not s.inputs and not s.closed:
+        if s.input_done and s.live and not s.inputs and not s.stepping and not s.closed:
             s.outbox.put_nowait(END)
             s.live = False  # nothing more to step; the servicer closes it
 

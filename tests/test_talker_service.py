@@ -1,0 +1,447 @@
+"""The Talker service over real gRPC sockets: sessions on the 80 ms conversation clock.
+
+Most tests run the service in-process (a real grpc.aio server on a real port, the real
+engine on the tiny checkpoint) with a short tick so the suite stays fast; the last one
+starts `python -m services.talker` as a real subprocess. "Reference" outputs come from
+running the same engine in-process, one session alone, with the same inputs (greedy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+
+from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
+from services.common.checkpoint import CheckpointPaths
+from services.talker.config import TalkerConfig
+from services.talker.server import TalkerService
+
+pytestmark = pytest.mark.timeout(120)
+
+PERSONA = "You are a friendly assistant who talks about trains."
+OTHER_PERSONA = "You are a grumpy pirate."
+TICK_MS = 25.0
+
+
+def user_frames(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2048, (n, 8), generator=g).tolist()
+
+
+def first_voice(ckpt) -> str:
+    names = CheckpointPaths(ckpt).voice_names()
+    assert names, "the tiny checkpoint bundles at least one voice"
+    return names[0]
+
+
+# ---- in-process reference ----------------------------------------------------------------------
+
+_ENGINES: dict = {}
+
+
+def reference_outputs(ckpt, slots: int, slot: int, voice, persona: str, frames, seed: int = 1):
+    """(text_token, agent_codes) per output of one session run alone in a fresh-state engine slot."""
+    from services.talker.engine import SamplingParams, TalkerEngine
+
+    key = (str(ckpt), slots)
+    if key not in _ENGINES:
+        _ENGINES[key] = TalkerEngine.from_checkpoint(CheckpointPaths.open(ckpt, require=("lm", "tokenizer")), slots=slots)
+    eng = _ENGINES[key]
+    job = eng.begin(slot, voice, persona, SamplingParams(greedy=True, seed=seed))
+    while not job.run(64):
+        pass
+    out = []
+    for f in frames:
+        codes = torch.zeros(slots, 8, dtype=torch.long)
+        codes[slot] = torch.tensor(f)
+        active = torch.zeros(slots, dtype=torch.bool)
+        active[slot] = True
+        r = eng.step(codes, active)
+        if bool(r.has_output[slot]):
+            out.append((int(r.text_tokens[slot]), r.agent_codes[slot].tolist()))
+    eng.release(slot)
+    return out
+
+
+# ---- service and client helpers ----------------------------------------------------------------
+
+def config(ckpt, **kw) -> TalkerConfig:
+    base = TalkerConfig(checkpoint=str(ckpt), port=0, metrics_port=0, slots=2, tick_ms=TICK_MS, drain_deadline_s=2.0)
+    return replace(base, **kw)
+
+
+class Service:
+    def __init__(self, cfg: TalkerConfig):
+        self.cfg = cfg
+
+    async def __aenter__(self):
+        self.svc = await TalkerService(self.cfg).start()
+        self.channel = grpc.aio.insecure_channel(self.svc.address)
+        self.stub = talker_pb2_grpc.TalkerStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        await self.svc.stop()
+
+    def metric(self, name: str) -> float:
+        v = self.svc.runtime.metrics.registry.get_sample_value(name)
+        return 0.0 if v is None else v
+
+    async def capacity(self) -> common_pb2.Capacity:
+        return await self.stub.GetCapacity(common_pb2.CapacityRequest())
+
+    async def wait_free(self, n: int, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (await self.capacity()).free_slots != n:
+            assert time.monotonic() < deadline, f"free slots never reached {n}: {await self.capacity()}"
+            await asyncio.sleep(0.01)
+
+
+def open_msg(stream_id: str, voice: str = "", persona: str = PERSONA, greedy: bool = True, seed: int = 1, **sampling):
+    return talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(
+        stream=common_pb2.StreamOpen(stream_id=stream_id), voice=voice, persona=persona,
+        sampling=talker_pb2.Sampling(greedy=greedy, seed=seed, **sampling)))
+
+
+def frame_msg(seq: int, codes) -> talker_pb2.TalkRequest:
+    return talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=seq, codes=codes))
+
+
+class Session:
+    """One Talk stream from the client side; outputs are collected by a background reader."""
+
+    def __init__(self, stub, stream_id: str, **open_kw):
+        self.call = stub.Talk()
+        self.stream_id = stream_id
+        self.open_kw = open_kw
+        self.outputs: list[talker_pb2.TalkOutput] = []
+        self.output_times: list[float] = []
+        self.sent_times: list[float] = []
+        self.sent = 0
+        self.ready: talker_pb2.TalkReady | None = None
+        self._reader: asyncio.Task | None = None
+
+    async def open(self) -> talker_pb2.TalkReady:
+        await self.call.write(open_msg(self.stream_id, **self.open_kw))
+        resp = await self.call.read()
+        assert resp is not grpc.aio.EOF and resp.WhichOneof("kind") == "ready", resp
+        self.ready = resp.ready
+        self._reader = asyncio.create_task(self._read())
+        return self.ready
+
+    async def _read(self):
+        while True:
+            resp = await self.call.read()
+            if resp is grpc.aio.EOF:
+                return
+            assert resp.WhichOneof("kind") == "output"
+            self.outputs.append(resp.output)
+            self.output_times.append(time.monotonic())
+
+    async def send(self, codes) -> None:
+        self.sent_times.append(time.monotonic())
+        await self.call.write(frame_msg(self.sent, codes))
+        self.sent += 1
+
+    async def send_paced(self, frames, period_s: float) -> None:
+        t0 = time.monotonic()
+        for i, f in enumerate(frames):
+            await asyncio.sleep(max(0.0, t0 + i * period_s - time.monotonic()))
+            await self.send(f)
+
+    async def finish(self) -> list[talker_pb2.TalkOutput]:
+        """Half-close and wait for the stream's OK end."""
+        await self.call.done_writing()
+        await asyncio.wait_for(self._reader, 10)
+        assert await self.call.code() == grpc.StatusCode.OK, await self.call.details()
+        return self.outputs
+
+    async def wait_outputs(self, n: int, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.outputs) < n:
+            assert time.monotonic() < deadline, f"{self.stream_id}: {len(self.outputs)} outputs, expected {n}"
+            assert not self._reader.done() or len(self.outputs) >= n, f"stream ended: {await self.call.code()}"
+            await asyncio.sleep(0.005)
+
+    async def error(self, timeout: float = 5.0) -> tuple[grpc.StatusCode, str]:
+        """The status the stream ended with (waits for it)."""
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(self._reader, timeout)
+            except grpc.aio.AioRpcError:
+                pass
+        return await asyncio.wait_for(self.call.code(), timeout), await self.call.details()
+
+    def as_pairs(self):
+        return [(o.text_token, list(o.agent_codes)) for o in self.outputs]
+
+
+async def open_error(stub, *requests) -> tuple[grpc.StatusCode, str]:
+    """Send `requests` on a new stream; return the status it ends with (must not be OK)."""
+    call = stub.Talk()
+    for r in requests:
+        await call.write(r)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        while (await call.read()) is not grpc.aio.EOF:
+            pass
+    return e.value.code(), e.value.details()
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+async def test_open_ready_then_paced_outputs(tiny_checkpoint):
+    voice = first_voice(tiny_checkpoint)
+    async with Service(config(tiny_checkpoint)) as s:
+        sess = Session(s.stub, "a", voice=voice, seed=1234)
+        ready = await sess.open()
+        assert ready.slot == 0 and ready.seed == 1234
+        assert ready.prefill_frames > 12  # voice + 6 silence + persona tokens + 6 silence
+        assert ready.prefill_ms > 0
+        delay = ready.output_delay_frames
+        assert delay == s.svc.engine.output_delay_frames
+        n = 12
+        await sess.send_paced(user_frames(n, 0), TICK_MS / 1000)
+        outs = await sess.finish()
+        assert len(outs) == n - delay
+        for i, o in enumerate(outs):
+            assert o.seq == i and o.input_seq == i + delay
+            assert len(o.agent_codes) == 8 and all(0 <= c < 2048 for c in o.agent_codes)
+            assert o.text_piece == s.svc.engine.text_piece(o.text_token)
+        assert s.metric("duplex_talker_frames_advanced_total") == n
+        assert s.metric("duplex_talker_tick_seconds_count") > 0
+        await s.wait_free(2)
+
+
+async def test_greedy_output_equals_in_process_engine(tiny_checkpoint):
+    voice = first_voice(tiny_checkpoint)
+    frames = user_frames(16, 1)
+    async with Service(config(tiny_checkpoint)) as s:
+        sess = Session(s.stub, "g", voice=voice)
+        ready = await sess.open()
+        await sess.send_paced(frames, TICK_MS / 1000)
+        await sess.finish()
+    assert sess.as_pairs() == reference_outputs(tiny_checkpoint, 2, ready.slot, voice, PERSONA, frames)
+
+
+async def test_concurrent_sessions_with_different_starts(tiny_checkpoint):
+    """Three sessions in one batch, opened at different times, each equals its solo run."""
+    period = TICK_MS / 1000
+    plans = [("s0", PERSONA, 0.0, 14), ("s1", OTHER_PERSONA, 3.3 * period, 10), ("s2", PERSONA, 6.7 * period, 9)]
+    async with Service(config(tiny_checkpoint, slots=3)) as s:
+
+        async def run(name, persona, start, n):
+            await asyncio.sleep(start)
+            sess = Session(s.stub, name, persona=persona)
+            ready = await sess.open()
+            frames = user_frames(n, hash(name) % 1000)
+            await sess.send_paced(frames, period)
+            await sess.finish()
+            return sess, ready, persona, frames
+
+        results = await asyncio.gather(*(run(*p) for p in plans))
+    assert len({r.slot for _, r, _, _ in results}) == 3
+    for sess, ready, persona, frames in results:
+        assert sess.as_pairs() == reference_outputs(tiny_checkpoint, 3, ready.slot, None, persona, frames), sess.stream_id
+
+
+async def test_stalled_session_is_not_advanced_and_does_not_delay_others(tiny_checkpoint):
+    period = TICK_MS / 1000
+    async with Service(config(tiny_checkpoint)) as s:
+        quiet, busy = Session(s.stub, "quiet"), Session(s.stub, "busy")
+        await quiet.open()
+        await busy.open()
+        delay = quiet.ready.output_delay_frames
+        qframes = user_frames(10, 5)
+        await quiet.send_paced(qframes[:4], period)
+        await quiet.wait_outputs(4 - delay)
+        skipped0 = s.metric("duplex_talker_frames_skipped_total")
+        # quiet says nothing for 20 ticks while busy talks at the frame rate.
+        await busy.send_paced(user_frames(20, 6), period)
+        await busy.wait_outputs(20 - delay)
+        assert len(quiet.outputs) == 4 - delay  # no invented steps while it had no input
+        assert s.metric("duplex_talker_frames_skipped_total") - skipped0 >= 10
+        # busy's frames were stepped at the clock's pace: no output waited behind the quiet one.
+        lags = [busy.output_times[i] - busy.sent_times[i + delay] for i in range(len(busy.outputs))]
+        assert sorted(lags)[len(lags) // 2] < 3 * period, lags
+        # quiet resumes exactly where it stopped: its whole output is a solo run of its inputs.
+        await quiet.send_paced(qframes[4:], period)
+        await quiet.finish()
+        await busy.finish()
+        assert quiet.as_pairs() == reference_outputs(tiny_checkpoint, 2, quiet.ready.slot, None, PERSONA, qframes)
+
+
+async def test_backlog_over_bound_is_refused_on_that_stream_only(tiny_checkpoint):
+    # A 1 s tick and a 4-frame bound: 5 frames sent between two ticks are one too many.
+    async with Service(config(tiny_checkpoint, tick_ms=1000.0, max_backlog_s=4.0)) as s:
+        flood, calm = Session(s.stub, "flood"), Session(s.stub, "calm")
+        await flood.open()
+        await calm.open()
+        # A write racing the server's end of the stream makes grpc's client report its own
+        # INTERNAL instead of the server's status, so pause briefly after each write.
+        for f in user_frames(200, 7):
+            await flood.send(f)
+            await asyncio.sleep(0.02)
+            if flood._reader.done():
+                break
+        code, details = await flood.error()
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "backlog" in details, details
+        assert s.metric("duplex_talker_backlog_refusals_total") == 1
+        await calm.send_paced(user_frames(3, 8), 0.0)
+        await calm.wait_outputs(3 - calm.ready.output_delay_frames, timeout=10)
+        await calm.finish()
+
+
+async def test_burst_is_caught_up_within_a_tick_or_two(tiny_checkpoint):
+    tick = 0.1
+    async with Service(config(tiny_checkpoint, tick_ms=tick * 1000)) as s:
+        sess = Session(s.stub, "late")
+        await sess.open()
+        delay = sess.ready.output_delay_frames
+        frames = user_frames(12, 9)
+        t0 = time.monotonic()
+        for f in frames:  # a late client delivers 12 frames (0.96 s of audio) at once
+            await sess.send(f)
+        await sess.wait_outputs(12 - delay)
+        elapsed = time.monotonic() - t0
+        # One step per tick would take 12 ticks; catch-up steps use the rest of each period.
+        assert elapsed < 5 * tick, elapsed
+        assert s.metric("duplex_talker_catch_up_steps_total") >= 1
+        await sess.finish()
+        assert sess.as_pairs() == reference_outputs(tiny_checkpoint, 2, sess.ready.slot, None, PERSONA, frames)
+
+
+async def test_full_talker_answers_resource_exhausted(tiny_checkpoint):
+    async with Service(config(tiny_checkpoint, slots=2)) as s:
+        a, b = Session(s.stub, "a"), Session(s.stub, "b")
+        await a.open()
+        await b.open()
+        cap = await s.capacity()
+        assert (cap.total_slots, cap.free_slots, cap.active_streams, cap.stage) == (2, 0, 2, "talker")
+        t0 = time.monotonic()
+        code, details = await open_error(s.stub, open_msg("c"))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "slot" in details
+        assert time.monotonic() - t0 < 1.0
+        await a.finish()
+        await s.wait_free(1)
+        c = Session(s.stub, "c")
+        await c.open()
+        await b.finish()
+        await c.finish()
+
+
+async def test_slot_reuse_after_cancel_and_disconnect_carries_nothing(tiny_checkpoint):
+    frames = user_frames(10, 11)
+    async with Service(config(tiny_checkpoint, slots=1)) as s:
+        # 1) cancel mid-conversation
+        old = Session(s.stub, "old", persona=OTHER_PERSONA, greedy=False, seed=99)
+        await old.open()
+        await old.send_paced(user_frames(8, 12), TICK_MS / 1000)
+        await old.wait_outputs(4)
+        old.call.cancel()
+        await s.wait_free(1)
+        new = Session(s.stub, "new")
+        assert (await new.open()).slot == 0
+        await new.send_paced(frames, TICK_MS / 1000)
+        await new.finish()
+        expected = reference_outputs(tiny_checkpoint, 1, 0, None, PERSONA, frames)
+        assert new.as_pairs() == expected
+        # 2) a client that drops its connection mid-stream (a separate channel, closed hard)
+        await s.wait_free(1)
+        channel = grpc.aio.insecure_channel(s.svc.address)
+        dropped = Session(talker_pb2_grpc.TalkerStub(channel), "dropped", persona=OTHER_PERSONA)
+        await dropped.open()
+        await dropped.send_paced(user_frames(6, 13), TICK_MS / 1000)
+        await channel.close(grace=None)
+        await s.wait_free(1)
+        again = Session(s.stub, "again")
+        await again.open()
+        await again.send_paced(frames, TICK_MS / 1000)
+        await again.finish()
+        assert again.as_pairs() == expected
+
+
+BAD_OPENS = [
+    (open_msg("v", voice="../model.safetensors"), grpc.StatusCode.INVALID_ARGUMENT, "voice"),
+    (open_msg("v", voice="NOPE.pt"), grpc.StatusCode.INVALID_ARGUMENT, "voice"),
+    (open_msg("p", persona="x" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
+    (open_msg("p", persona="bad\x00byte"), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
+    (open_msg("t", greedy=False, text_temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (open_msg("t", greedy=False, audio_temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (open_msg("k", greedy=False, audio_top_k=5000), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    (open_msg(""), grpc.StatusCode.INVALID_ARGUMENT, "stream id"),
+    (frame_msg(0, [1] * 8), grpc.StatusCode.INVALID_ARGUMENT, "open"),
+]
+
+
+async def test_bad_open_and_bad_frames_get_typed_errors_and_change_nothing(tiny_checkpoint):
+    async with Service(config(tiny_checkpoint)) as s:
+        for req, code, word in BAD_OPENS:
+            got, details = await open_error(s.stub, req)
+            assert got == code and word in details.lower(), (req, got, details)
+        assert (await s.capacity()).free_slots == 2  # no slot was ever taken
+        live = Session(s.stub, "live")
+        await live.open()
+        got, _ = await open_error(s.stub, open_msg("live"))
+        assert got == grpc.StatusCode.ALREADY_EXISTS
+        bad_frames = [
+            ([frame_msg(0, [1] * 7)], grpc.StatusCode.INVALID_ARGUMENT, "8"),
+            ([frame_msg(0, [1] * 7 + [2048])], grpc.StatusCode.INVALID_ARGUMENT, "2048"),
+            ([frame_msg(0, [1] * 8), frame_msg(0, [1] * 8)], grpc.StatusCode.INVALID_ARGUMENT, "already"),
+            ([frame_msg(0, [1] * 8), frame_msg(2, [1] * 8)], grpc.StatusCode.FAILED_PRECONDITION, "skips"),
+            ([open_msg("again")], grpc.StatusCode.INVALID_ARGUMENT, "frame"),
+        ]
+        for frames, code, word in bad_frames:
+            got, details = await open_error(s.stub, open_msg("victim"), *frames)
+            assert got == code and word in details, (frames, got, details)
+            await s.wait_free(1)
+        # the live session was never touched: it still answers and equals a solo run
+        frames = user_frames(8, 14)
+        await live.send_paced(frames, TICK_MS / 1000)
+        await live.finish()
+        assert live.as_pairs() == reference_outputs(tiny_checkpoint, 2, live.ready.slot, None, PERSONA, frames)
+
+
+async def test_drain_refuses_new_sessions_and_ends_live_ones_at_the_deadline(tiny_checkpoint):
+    async with Service(config(tiny_checkpoint)) as s:
+        sess = Session(s.stub, "d")
+        await sess.open()
+        resp = await s.stub.Drain(common_pb2.DrainRequest(deadline_s=0.6))
+        assert resp.active_streams == 1
+        cap = await s.capacity()
+        assert cap.draining and cap.free_slots == 0
+        code, _ = await open_error(s.stub, open_msg("late"))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        # the live session is still served until the deadline
+        await sess.send_paced(user_frames(6, 15), TICK_MS / 1000)
+        await sess.wait_outputs(6 - sess.ready.output_delay_frames)
+        code, details = await sess.error(timeout=5)
+        assert code == grpc.StatusCode.UNAVAILABLE and "drain" in details
+
+
+def test_subprocess_serves_and_drains_on_sigterm(tiny_checkpoint):
+    from tools.procs import ServiceProcess
+
+    args = ["--checkpoint", str(tiny_checkpoint), "--slots", "2", "--tick-ms", "40", "--threads", "1"]
+    with ServiceProcess("services.talker", args) as proc:
+        async def talk():
+            async with grpc.aio.insecure_channel(proc.address) as ch:
+                sess = Session(talker_pb2_grpc.TalkerStub(ch), "sub")
+                ready = await sess.open()
+                await sess.send_paced(user_frames(8, 16), 0.04)
+                outs = await sess.finish()
+                return ready, outs
+
+        ready, outs = asyncio.run(talk())
+        assert len(outs) == 8 - ready.output_delay_frames
+        text = urllib.request.urlopen(proc.metrics_url, timeout=5).read().decode()
+        assert re.search(r"^duplex_talker_frames_advanced_total 8\.0$", text, re.M), text
+        assert "duplex_talker_tick_lateness_seconds_bucket" in text
+        assert proc.stop(timeout=20) == 0
