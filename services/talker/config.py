@@ -25,7 +25,7 @@ class TalkerConfig:
     metrics_port: int = 9102  # Prometheus HTTP; 0 picks a free port, -1 disables it
     slots: int = 2  # concurrent sessions = the batch size of every step
     device: str = "cpu"
-    dtype: str = "float32"  # one of DTYPES; "bfloat16" on GPU
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) or one of DTYPES
     tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
@@ -41,8 +41,8 @@ class TalkerConfig:
             raise ValueError(f"tick_ms must be in [1, 10000], got {self.tick_ms}")
         if self.max_backlog_s <= 0:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.prefill_chunk_frames < 1:
             raise ValueError(f"prefill_chunk_frames must be >= 1, got {self.prefill_chunk_frames}")
         if self.max_persona_chars < 1:
@@ -50,6 +50,8 @@ class TalkerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
 
     @property

@@ -224,7 +224,7 @@ class TalkerService:
         self.engine = await asyncio.to_thread(
             eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype)
         log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), output delay %d frames",
-                 paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device, cfg.dtype,
+                 paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device, cfg.torch_dtype,
                  self.engine.output_delay_frames)
         runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms))
         metrics = TalkerMetrics(runtime.metrics)
