@@ -1,0 +1,87 @@
+"""The driver's whole configuration, in one typed place.
+
+`python -m tools.load_driver --help` maps one flag to each field (dashes for underscores).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+SAMPLE_RATE_HZ = 24_000
+FRAME_SAMPLES = 1_920  # one 80 ms model frame
+FRAME_PERIOD_S = FRAME_SAMPLES / SAMPLE_RATE_HZ  # 0.08
+# Continuity: the player-starvation budget of the shared continuity helper (100 ms).
+UNDERRUN_THRESHOLD_S = 0.1
+
+
+class ConfigError(ValueError):
+    """A driver option is out of range; raised before any connection is made."""
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    url: str = "ws://127.0.0.1:8000/v1/realtime?duplex=1"
+    model: str | None = None  # sent in the URL and session.update only when given
+    input_wav: Path | None = None  # None: a synthetic speech-like signal (see input_audio.py)
+    input_format: str = "pcm_f32le"  # or "pcm16"
+    voice: str = "NATF2.pt"
+    persona: str = "You are a concise and helpful assistant."
+    secondary_persona: str = "You are a calm and precise assistant."
+    replacement_persona: str = "You are a cheerful travel assistant."
+
+    # Mode: None = lifecycle (admission, slot reuse); N = paced load with N sessions.
+    sessions: int | None = None
+    load_frames: int = 1000  # at most this many input frames per load session (no looping)
+    lifecycle_frames: int = 50  # frames per streaming phase of the lifecycle scenario
+    capacity: int = 2  # lifecycle: the server's session limit (capacity + 1 must be refused)
+    drain_s: float = 2.0  # fixed observation window after the last input frame
+    timeout_s: float = 180.0  # admission, each send, lifecycle coverage waits
+    cleanup_timeout_s: float = 5.0  # session.close + session.closed; separately the WS close
+
+    # Acceptance of one session's audio.
+    max_frame_deficit: int = 4
+    min_voiced_frames: int = 5
+    minimum_audio_chunks: int = 2
+    voiced_frame_rms_threshold: float = 1e-3
+    max_client_rtf: float | None = None  # optional ceiling; RTF is diagnostic by default
+
+    # Reporting.
+    output_dir: Path | None = None
+    server_revision: str | None = None  # operator-supplied, never detected
+    server_hardware: str | None = None
+    plot: bool = False
+    progress: bool = True
+    input_seed: int = 0  # seed of the synthetic input signal
+
+    @property
+    def mode(self) -> str:
+        return "lifecycle" if self.sessions is None else "paced_multi_session"
+
+    def validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        check(self.url.startswith(("ws://", "wss://")), f"--url must be ws:// or wss://, got {self.url!r}")
+        check(self.input_format in ("pcm_f32le", "pcm16"), "--input-format must be pcm_f32le or pcm16")
+        if self.sessions is not None:
+            check(1 <= self.sessions <= 256, "--sessions must be in [1, 256]")
+            check(1 <= self.load_frames <= 100_000, "--load-frames must be in [1, 100000]")
+        check(1 <= self.lifecycle_frames <= 100_000, "--lifecycle-frames must be in [1, 100000]")
+        check(2 <= self.capacity <= 256, "--capacity must be in [2, 256]")
+        for name in ("drain_s", "timeout_s", "cleanup_timeout_s"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be finite and >= 0")
+        check(self.timeout_s > 0 and self.cleanup_timeout_s > 0, "timeouts must be positive")
+        check(self.max_frame_deficit >= 0, "--max-frame-deficit must be >= 0")
+        check(self.min_voiced_frames >= 1, "--min-voiced-frames must be >= 1")
+        check(self.minimum_audio_chunks >= 1, "--minimum-audio-chunks must be >= 1")
+        check(
+            math.isfinite(self.voiced_frame_rms_threshold) and self.voiced_frame_rms_threshold >= 0,
+            "--voiced-frame-rms-threshold must be finite and >= 0",
+        )
+        if self.max_client_rtf is not None:
+            check(math.isfinite(self.max_client_rtf) and self.max_client_rtf > 0, "--max-client-rtf must be > 0")
+        check(not (self.plot and self.output_dir is None), "--plot needs --output-dir")
