@@ -1,0 +1,229 @@
+"""The whole stack on this machine: encoder, talker, decoder (one or more cells) and the gateway.
+
+    python -m tools.run_stack                       # what `make run` runs: tiny checkpoint, 2 sessions
+    python -m tools.run_stack --checkpoint DIR --sessions 4 --device cuda --port 8000
+
+Every service is its own process (started with tools.procs). The script waits for each
+to be healthy, prints the URLs, and stops everything on Ctrl-C (SIGTERM, then SIGKILL).
+
+`Stack` is also what the end-to-end tests use: each process is reachable so a test can
+kill one stage of one cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, free_port
+
+
+@dataclass
+class CellProcs:
+    encoder: ServiceProcess
+    talker: ServiceProcess
+    decoder: ServiceProcess
+
+    @property
+    def spec(self) -> str:
+        return f"{self.encoder.address},{self.talker.address},{self.decoder.address}"
+
+    def all(self) -> list[ServiceProcess]:
+        return [self.encoder, self.talker, self.decoder]
+
+
+class GatewayProcess:
+    """`python -m services.gateway` as a subprocess; ready when /health says 200."""
+
+    def __init__(self, cells: str, port: int = 0, host: str = "127.0.0.1", args: list[str] = (), env: dict | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.cmd = [sys.executable, "-m", "services.gateway", "--host", host, "--port", str(self.port), "--cells", cells, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile(mode="w+", prefix="gateway-", suffix=".log")
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{self.host}:{self.port}/v1/realtime?duplex=1"
+
+    def log_tail(self, chars: int = 6000) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()[-chars:]
+
+    def health(self) -> tuple[int, dict] | None:
+        try:
+            with urllib.request.urlopen(self.http_url + "/health", timeout=1.0) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def start(self, timeout: float = 60.0) -> "GatewayProcess":
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServiceStartError(f"gateway exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            h = self.health()
+            if h is not None and h[0] == 200:
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServiceStartError(f"gateway not healthy after {timeout:g}s (last: {h}):\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Stack:
+    checkpoint: Path
+    sessions: int = 2
+    cells: int = 1
+    device: str = "cpu"
+    port: int = 0
+    host: str = "127.0.0.1"
+    talker_args: list[str] = field(default_factory=list)
+    codec_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    gateway_env: dict = field(default_factory=dict)
+    progress: callable = lambda msg: None
+    cell_procs: list[CellProcs] = field(default_factory=list)
+    gateway: GatewayProcess | None = None
+
+    def start(self) -> "Stack":
+        try:
+            # All stage processes start at once (each loads its model); then the gateway.
+            procs = []
+            for i in range(self.cells):
+                common = ["--checkpoint", str(self.checkpoint), "--slots", str(self.sessions), "--device", self.device]
+                procs.append({stage: ServiceProcess(f"services.{stage}", [*common, *extra], host=self.host, ready_timeout=180)
+                              for stage, extra in (("encoder", self.codec_args), ("talker", self.talker_args), ("decoder", self.codec_args))})
+            self.cell_procs = [CellProcs(**p) for p in procs]
+            self.progress(f"starting {3 * self.cells} stage processes ...")
+            with ThreadPoolExecutor(3 * self.cells) as pool:
+                futures = {pool.submit(self._start_one, i, stage, proc): proc for i, p in enumerate(procs) for stage, proc in p.items()}
+                for f in futures:
+                    f.result()
+            self.progress("starting gateway ...")
+            spec = ";".join(c.spec for c in self.cell_procs)
+            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, args=self.gateway_args, env=self.gateway_env).start()
+            self.progress(f"gateway healthy on {self.gateway.http_url}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_one(self, cell: int, stage: str, proc: ServiceProcess) -> None:
+        t0 = time.monotonic()
+        proc.start()
+        self.progress(f"cell {cell}: {stage} serving on {proc.address} ({time.monotonic() - t0:.1f}s)")
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        procs = [p for cell in self.cell_procs for p in cell.all()]
+        for p in procs:
+            p.terminate()  # all drain at once
+        for p in procs:
+            p.close()  # waits, then SIGKILL; safe on a process that never started
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.run_stack", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the embedded tiny random one)")
+    p.add_argument("--sessions", type=int, default=2, help="concurrent sessions per cell (slots of every stage)")
+    p.add_argument("--cells", type=int, default=1, help="cells to start (each: encoder, talker, decoder)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    say = lambda msg: print(f"[run_stack] {msg}", flush=True)  # noqa: E731
+    if a.checkpoint:
+        ckpt = Path(a.checkpoint)
+    else:
+        from tools.make_checkpoint import ensure_checkpoint
+
+        say("preparing the embedded tiny checkpoint ...")
+        ckpt = ensure_checkpoint("tiny", seed=0)
+    stack = Stack(ckpt, sessions=a.sessions, cells=a.cells, device=a.device, port=a.port, host=a.host, progress=say)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start()
+        g = stack.gateway
+        voices = sorted(x.name for x in (ckpt / "voices").glob("*.pt")) if (ckpt / "voices").is_dir() else []
+        print(
+            f"""
+PersonaPlex stack is up ({a.cells} cell(s), {a.sessions} session(s) each, checkpoint {ckpt}).
+
+  browser page:   {g.http_url}/
+  Realtime wire:  {g.ws_url}
+  native chat:    ws://{a.host}:{g.port}/api/chat?voice_prompt={voices[0] if voices else 'NATF2.pt'}&text_prompt=Hello
+  health/metrics: {g.http_url}/health   {g.http_url}/metrics
+  voices:         {', '.join(voices) or 'none'}
+
+  client:         {sys.executable} -m tools.client --url '{g.ws_url}' --input in.wav --output out.wav
+
+Ctrl-C stops everything.""",
+            flush=True,
+        )
+        while not stopping:
+            time.sleep(0.5)
+            for cell in stack.cell_procs:
+                for proc in cell.all():
+                    if proc.proc.poll() is not None:
+                        say(f"{proc.module} on {proc.address} exited with code {proc.proc.returncode}:\n{proc.stderr_tail(2000)}")
+                        stopping = True
+            if g.proc.poll() is not None:
+                say(f"gateway exited with code {g.proc.returncode}:\n{g.log_tail(2000)}")
+                stopping = True
+    except KeyboardInterrupt:
+        pass
+    except ServiceStartError as e:
+        say(f"start failed: {e}")
+        return 1
+    finally:
+        say("stopping ...")
+        stack.stop()
+        say("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
