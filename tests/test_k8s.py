@@ -352,10 +352,13 @@ def cpu_problems(docs: list[dict]) -> list[str]:
             env = config_env(docs, c)
             if env.get(f"{c['name'].upper()}_DEVICE") != "cpu":
                 out.append(f"{c['name']}: {c['name'].upper()}_DEVICE is not cpu")
-    makers = [c for c in spec.get("initContainers", []) if "tools.make_checkpoint" in c.get("command", [])]
+    makers = [c for c in spec.get("initContainers", []) if "tools.make_checkpoint" in " ".join(c.get("command", []))]
     if len(makers) != 1 or makers[0].get("restartPolicy") == "Always":
         return out + ["CPU cell needs one run-to-completion initContainer running tools.make_checkpoint"]
-    out_dir = arg_after(makers[0], "--out")
+    found = re.search(r"--out[ =](\S+)", " ".join(makers[0]["command"] + makers[0].get("args", [])))
+    out_dir = found and found[1]
+    if not any(m["name"] == "checkpoint" and not m.get("readOnly") for m in makers[0].get("volumeMounts", [])):
+        out.append("make_checkpoint does not mount the checkpoint volume writable")
     env = config_env(docs, spec["containers"][0])
     if out_dir != env.get("CHECKPOINT_DIR"):
         out.append(f"make_checkpoint writes {out_dir}, stages read {env.get('CHECKPOINT_DIR')}")
@@ -619,3 +622,20 @@ def test_deprecated_field_is_caught(tmp_path):
     f = tmp_path / "kustomization.yaml"
     f.write_text("resources: [x.yaml]\ncommonLabels: {a: b}\n")
     assert deprecated_fields(f) == ["commonLabels"]
+
+
+def test_every_container_runs_the_image_the_dockerfile_builds_as_its_user(targets):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    user = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.M)
+    assert user, "the Dockerfile must end as a numeric non-root USER uid:gid"
+    assert f"--uid {user[1]}" in dockerfile and f"--gid {user[2]}" in dockerfile
+    assert "grpc_tools.protoc" in dockerfile, "the image must generate the gRPC stubs"
+    for target in ALL_TARGETS:
+        images = {c["image"] for w in workloads(targets[target]) for c in containers(pod_spec(w))}
+        # One image, and a pushed one: the bare placeholder name means a container missed the images transformer.
+        assert len(images) == 1 and re.fullmatch(r"[\w.-]+(/[\w.-]+)+/personaplex-serve:[\w.-]+", images.pop()), (target, images)
+        for w in workloads(targets[target]):
+            spec = pod_spec(w)
+            for c in containers(spec):
+                ids = (effective_security(spec, c, "runAsUser"), effective_security(spec, c, "runAsGroup"))
+                assert ids == (int(user[1]), int(user[2])), (target, c["name"], ids)
