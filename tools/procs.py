@@ -9,6 +9,7 @@ repo root with this interpreter. `start()` returns once the process's standard
 grpc.health.v1 check answers SERVING; if the process exits first or the timeout
 passes, ServiceStartError carries the tail of its stderr. `stop()` sends
 SIGTERM (the services drain and exit), then SIGKILL after a timeout.
+To start several at once: `spawn()` each, then `wait_ready()` each.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 class ServiceStartError(RuntimeError):
     """A service process exited or did not become SERVING in time; the message has its stderr tail."""
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the parent (a test run) dies, so no service is orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,22 +97,33 @@ class ServiceProcess:
         self._stderr.seek(0)
         return self._stderr.read()[-chars:]
 
-    def start(self) -> "ServiceProcess":
+    def spawn(self) -> "ServiceProcess":
+        """Start the process without waiting (to start several in parallel; then wait_ready each)."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.module} was already started (pid {self.proc.pid})")
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port), "--metrics-port", str(self.metrics_port), *self.args]
         # stderr to a file, not a pipe: a chatty service must never block on a full pipe.
         self._stderr = tempfile.TemporaryFile(mode="w+", prefix=f"{self.module}-", suffix=".stderr")
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=self._stderr)
-        deadline = time.monotonic() + self.ready_timeout
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=self._stderr,
+                                     preexec_fn=_die_with_parent)
+        self._deadline = time.monotonic() + self.ready_timeout
+        return self
+
+    def wait_ready(self) -> "ServiceProcess":
+        """Block until health says SERVING; ServiceStartError (with stderr) if it exits or times out."""
         while True:
             code = self.proc.poll()
             if code is not None:
                 raise ServiceStartError(f"{self.module} exited with code {code} before serving:\n{self.stderr_tail()}")
             if health_status(self.address, timeout=0.5) == health_pb2.HealthCheckResponse.SERVING:
                 return self
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._deadline:
                 self.stop()
                 raise ServiceStartError(f"{self.module} not SERVING on {self.address} after {self.ready_timeout:g}s:\n{self.stderr_tail()}")
             time.sleep(0.1)
+
+    def start(self) -> "ServiceProcess":
+        return self.spawn().wait_ready()
 
     def terminate(self) -> None:
         """Send SIGTERM (the service starts draining) without waiting."""
@@ -129,7 +150,8 @@ class ServiceProcess:
             self._stderr = None
 
     def __enter__(self) -> "ServiceProcess":
-        return self.start()
+        """Start (or, if already spawned, wait for) the process."""
+        return self.start() if self.proc is None else self.wait_ready()
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -290,7 +290,7 @@ class CodecService:
 def inference_step(step: StepFn, device: str) -> StepFn:
     """Wrap a codec's batched step for the worker thread: inputs to `device`, no autograd, output back on CPU."""
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         return step(x.to(device), active.to(device)).cpu()
 
