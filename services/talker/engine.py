@@ -1,0 +1,367 @@
+"""All model work of the Talker for a fixed batch of slots, called from ONE compute thread.
+
+    engine = TalkerEngine.from_checkpoint(paths, slots=8)
+    job = engine.begin(slot, voice="NATF2.pt", persona="You are kind.", sampling=SamplingParams(seed=7))
+    while not job.run(64): ...                        # prompt prefill, interleavable with steps
+    r = engine.step(user_codes[S, 8], active[S])      # one 80 ms frame for the active slots
+    r.text_tokens[S], r.agent_codes[S, 8], r.has_output[S]
+
+Per slot the engine keeps: the temporal KV ring (in the LM's KVCache), a token-history ring
+of 4 columns (`hist`, column c at index c % 4, see prompt.py for columns), the column the next
+step reads (`offset`), the first frame that is the model's own (`start`) and the sampling
+parameters. Every step runs all S rows (static shapes, no per-slot Python loop); inactive
+slots are computed and thrown away, and their state is left exactly as it was.
+
+Timing (upstream moshi 0.2.13, not the PersonaPlex fork). A live step at offset o:
+  1. writes the user codes of this frame into column o (q0, delay 0) and o+1 (q1..q7, delay 1),
+  2. runs the transformer on column o: text and agent q0 of frame o-1, agent q1..q7 of frame
+     o-2, user q0 of frame o, user q1..q7 of frame o-1 (the initial token for frames <= 0),
+  3. samples the text token and agent q0 of frame o+1 and agent q1..q7 of frame o, stored
+     in column o+1 (entries of prompt frames are teacher-forced and kept),
+  4. returns frame o+1-max_delay = o: text/q0 from the previous step, q1..q7 from this one.
+So the first step of a bare session (no prompt) returns nothing, exactly like moshi's LMGen,
+and `output_delay_frames` = max_delay = 1. The fork reads column o-1 instead (one frame more
+delay, two silent steps). With a prompt of F frames (frame 0 is the start frame), prefill runs
+columns 0..F-2 and the first live step reads column F-1: the first live user frame takes the
+user part of the last prompt frame (the fork would read that silence frame once more) and
+its output is the last prompt frame, which is not returned (has_output False).
+
+Prompt prefill runs the temporal transformer on whole chunks of prompt columns (parallel,
+T frames per call) instead of frame by frame. The voice part is the same for every session of
+a voice: its KV is computed once per voice (`_VoicePrefix`) and copied into the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from services.common.checkpoint import CheckpointPaths, InvalidVoice
+from services.common.text import InvalidText, TextTokenizer
+from services.talker import prompt
+from services.talker.model import LMConfig, LMModel
+from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, sample
+from services.talker.voices import RING, VoicePrompt, load_voice
+
+__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling", "InvalidVoice"]
+
+log = logging.getLogger("talker.engine")
+
+AGENT_CODEBOOKS = 8
+
+
+class InvalidPersona(ValueError):
+    """A persona that cannot be a prompt: not text, not encodable, or too long for the attention window."""
+
+
+@dataclass
+class StepResult:
+    text_tokens: torch.Tensor  # LongTensor[S]; -1 where has_output is False
+    agent_codes: torch.Tensor  # LongTensor[S, 8]; -1 where has_output is False
+    has_output: torch.Tensor  # BoolTensor[S]
+
+
+class _VoicePrefix:
+    """The KV of one voice's embeddings (prompt columns 0..N-2), computed once, copied into slots.
+    Built in chunks like any prefill, so a first session with a new voice never blocks a tick."""
+
+    def __init__(self, engine: "TalkerEngine", voice: VoicePrompt):
+        self.voice = voice
+        self.kv = engine.model.new_kv_cache(1, dtype=engine.kv.k.dtype, context=engine.context)
+        self.total = voice.frames - 1
+        self.done = 0
+        self._model = engine.model
+        self._slot = torch.zeros(1, dtype=torch.long, device=engine.device)
+
+    @property
+    def complete(self) -> bool:
+        return self.done >= self.total
+
+    def advance(self, budget: int) -> int:
+        n = min(budget, self.total - self.done)
+        if n <= 0:
+            return 0
+        x = self.voice.embeddings[self.done : self.done + n][None].to(self._model.device)
+        self._model.temporal(x, self.kv, self._slot)
+        self.done += n
+        return n
+
+
+class PrefillJob:
+    """The prompt of one session, run into its slot in chunks: `run(max_frames)` until done."""
+
+    def __init__(self, engine: "TalkerEngine", slot: int, cols: prompt.PromptColumns, voice: _VoicePrefix | None):
+        self.slot = slot
+        self.total_frames = cols.transformer_frames  # temporal positions the prompt fills
+        self.frames_done = 0
+        self.prompt_frames = cols.frames
+        self._engine, self._cols, self._voice = engine, cols, voice
+        self._voice_in_slot = voice is None
+        self._next = 0  # next row of cols.inputs
+        self._done = False
+        self.cancelled = False
+        self._slot_t = torch.tensor([slot], dtype=torch.long, device=engine.device)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @torch.no_grad()
+    def run(self, max_frames: int) -> bool:
+        """Run up to max_frames more prompt frames (one parallel forward per part); True when done.
+        Frames of a voice whose KV is already cached cost nothing (they are copied)."""
+        if self.cancelled:
+            raise RuntimeError(f"prefill job of slot {self.slot} was cancelled (slot released or restarted)")
+        if self._done:
+            return True
+        budget = max(0, int(max_frames))
+        eng = self._engine
+        if not self._voice_in_slot:
+            budget -= self._voice.advance(budget)
+            if not self._voice.complete:
+                self.frames_done = self._voice.done
+                return False
+            eng._copy_voice_kv(self.slot, self._voice)
+            self._voice_in_slot = True
+            self.frames_done = self._cols.first
+        inputs = self._cols.inputs
+        if budget > 0 and self._next < inputs.shape[0]:
+            n = min(budget, inputs.shape[0] - self._next)
+            x = eng.model.embed(inputs[self._next : self._next + n][None].to(eng.device))
+            eng.model.temporal(x, eng.kv, self._slot_t)
+            self._next += n
+            self.frames_done += n
+        if self._next >= inputs.shape[0]:
+            eng._go_live(self.slot, self._cols)
+            self._done = True
+        return self._done
+
+
+class TalkerEngine:
+    def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
+                 context: int | None = None, kv_dtype: torch.dtype | None = None):
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be a positive int, got {slots!r}")
+        if model.dep_steps < AGENT_CODEBOOKS:
+            raise ValueError(f"the LM needs {AGENT_CODEBOOKS} resident depformer steps, has {model.dep_steps}")
+        cfg: LMConfig = model.cfg
+        self.model, self.cfg, self.tokenizer, self.paths = model, cfg, tokenizer, paths
+        self.num_slots = slots
+        self.text_card, self.card = cfg.text_card, cfg.card
+        self.device = model.device
+        self.kv = model.new_kv_cache(slots, dtype=kv_dtype, context=context)
+        self.context = self.kv.context
+        self.output_delay_frames = cfg.max_delay
+        if RING < cfg.max_delay + 3:
+            raise ValueError(f"token ring of {RING} columns is too short for max delay {cfg.max_delay}")
+        K, dev = cfg.num_streams, self.device
+        self.delays = torch.tensor(cfg.delays, dtype=torch.long, device=dev)
+        self.initial = prompt.initial_tokens(cfg.text_card, cfg.card, K).to(dev)
+        self.hist = torch.full((slots, K, RING), prompt.UNKNOWN, dtype=torch.long, device=dev)
+        self.offset = torch.zeros(slots, dtype=torch.long, device=dev)  # column the next step reads
+        self.start = torch.ones(slots, dtype=torch.long, device=dev)  # first frame the model generates
+        self.dep_kv = model.new_depformer_cache(slots, AGENT_CODEBOOKS)
+        # Sampling parameters per slot (device tensors) + top-k on the host (bounds topk without a sync).
+        d = SamplingParams()
+        self.seed = torch.zeros(slots, dtype=torch.long, device=dev)
+        self._text = RowParams(torch.zeros(slots, dtype=torch.bool, device=dev),
+                               torch.full((slots,), d.text_temperature, device=dev),
+                               torch.full((slots,), d.text_top_k, dtype=torch.long, device=dev), d.text_top_k)
+        self._audio = RowParams(self._text.greedy, torch.full((slots,), d.audio_temperature, device=dev),
+                                torch.full((slots,), d.audio_top_k, dtype=torch.long, device=dev), d.audio_top_k)
+        self._text_k = [d.text_top_k] * slots
+        self._audio_k = [d.audio_top_k] * slots
+        self._live = [False] * slots
+        self._jobs: list[PrefillJob | None] = [None] * slots
+        self._voice_files: dict[str, VoicePrompt] = {}
+        self._voice_kv: dict[str, _VoicePrefix] = {}
+        self._all_slots = torch.arange(slots, device=dev)
+
+    @classmethod
+    def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, context: int | None = None) -> "TalkerEngine":
+        section = paths.serve_config()
+        cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
+        model = LMModel.load(paths.lm, cfg, device=device, dtype=dtype, dep_steps=AGENT_CODEBOOKS)
+        return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context)
+
+    # ---- sessions ------------------------------------------------------------------------------
+
+    def begin(self, slot: int, voice: str | None, persona: str | None, sampling: SamplingParams) -> PrefillJob:
+        """Validate, then reset `slot` completely and return its prompt prefill job.
+
+        voice: a bundled basename ("NATF2.pt") or None. persona: the system text; with voice=None and
+        persona=None there is no prompt at all (a bare start, as moshi's LMGen). Errors
+        (InvalidVoice, InvalidPersona, InvalidSampling) leave the slot and everything else untouched."""
+        self._check_slot(slot)
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidSampling(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        sampling.validate(self.text_card, self.card)
+        prefix = self._voice_prefix(voice) if voice is not None else None
+        tokens = None
+        if persona is not None or voice is not None:
+            tokens = self._persona_tokens("" if persona is None else persona)
+        cols = prompt.build(prefix.voice if prefix else None, tokens, self.delays.cpu(), self.initial.cpu())
+        if cols.frames > self.context:
+            raise InvalidPersona(
+                f"the prompt is {cols.frames} frames (voice, silence, {len(tokens or [])} persona tokens), "
+                f"longer than the model's attention window of {self.context} frames; shorten the persona")
+        # Everything is valid: from here on the slot belongs to the new session.
+        self._reset_slot(slot)
+        self._set_sampling(slot, sampling)
+        job = PrefillJob(self, slot, cols, prefix)
+        self._jobs[slot] = job
+        if job.total_frames == 0:
+            job.run(0)
+        return job
+
+    def release(self, slot: int) -> None:
+        """Forget the session in `slot`: it is no longer steppable, a pending prefill job is cancelled."""
+        self._check_slot(slot)
+        if self._jobs[slot] is not None:
+            self._jobs[slot].cancelled = True
+            self._jobs[slot] = None
+        self._live[slot] = False
+
+    def is_live(self, slot: int) -> bool:
+        return self._live[slot]
+
+    def text_piece(self, token: int) -> str:
+        return self.tokenizer.piece(int(token))
+
+    # ---- the frame step ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
+        """Advance exactly the active slots by one frame; inactive slots are left untouched."""
+        S, dev, max_delay = self.num_slots, self.device, self.cfg.max_delay
+        if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (S,):
+            raise ValueError(f"active must be a BoolTensor[{S}], got {getattr(active, 'shape', active)!r}")
+        if (not isinstance(user_codes, torch.Tensor) or user_codes.dtype != torch.long
+                or tuple(user_codes.shape) != (S, AGENT_CODEBOOKS)):
+            raise ValueError(f"user_codes must be a LongTensor[{S}, {AGENT_CODEBOOKS}], got "
+                             f"{getattr(user_codes, 'shape', user_codes)!r} {getattr(user_codes, 'dtype', '')}")
+        act_list = active.tolist()
+        not_live = [i for i, a in enumerate(act_list) if a and not self._live[i]]
+        if not_live:
+            raise ValueError(f"slots {not_live} are not live (no begin(), prefill not done, or released)")
+        act = active.to(dev)
+        codes = user_codes.to(dev)
+        bad = ((codes < 0) | (codes >= self.card)) & act[:, None]
+        if bool(bad.any()):
+            raise ValueError(f"user codes must be in [0, {self.card}), slots {bad.any(1).nonzero().flatten().tolist()} are not")
+
+        o = self.offset
+        user = slice(1 + AGENT_CODEBOOKS, None)  # streams 9..16
+        gen = slice(0, 1 + AGENT_CODEBOOKS)  # text + agent streams 0..8
+        # 1. user codes of this frame into the history (column o + delay)
+        self._write(user, (o[:, None] + self.delays[user][None]) % RING, codes, act[:, None])
+        # 2. the transformer on column o
+        col = (o % RING)[:, None, None].expand(S, self.cfg.num_streams, 1)
+        tokens = self.hist.gather(2, col)[..., 0]
+        tokens = torch.where(o[:, None] <= self.delays[None, :], self.initial[None, :], tokens)
+        h = self._temporal_step(self.model.embed(tokens[:, None]), act)[:, 0]
+        # 3. sample text, then the depformer's 8 agent codebooks
+        text_params = self._params(self._text, self._text_k, self.text_card)
+        audio_params = self._params(self._audio, self._audio_k, self.card)
+        text = sample(self.model.text_logits(h), text_params, self.seed, o, codebook=0)
+        audio = self.model.depformer(h, text, lambda cb, logits: sample(logits, audio_params, self.seed, o, 1 + cb),
+                                     steps=AGENT_CODEBOOKS, dep_kv=self.dep_kv)
+        new = torch.cat([text[:, None], audio], dim=1)  # [S, 9]: column o+1
+        frame_of = (o + 1)[:, None] - self.delays[gen][None]
+        keep_forced = frame_of < self.start[:, None]  # prompt frames stay teacher-forced
+        self._write(gen, ((o + 1) % RING)[:, None].expand(S, 1 + AGENT_CODEBOOKS), new, act[:, None] & ~keep_forced)
+        # 4. the frame that is now complete
+        out_frame = o + 1 - max_delay
+        idx = (out_frame[:, None] + self.delays[gen][None]) % RING
+        out = self.hist[:, gen].gather(2, idx[..., None])[..., 0]
+        has_output = act & (out_frame >= self.start)
+        out = torch.where(has_output[:, None], out, torch.full_like(out, -1))
+        self.offset = torch.where(act, o + 1, o)
+        return StepResult(text_tokens=out[:, 0], agent_codes=out[:, 1:], has_output=has_output)
+
+    def _write(self, streams: slice, cols: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """hist[s, streams, cols[s, j]] = values[s, j] where mask (broadcast) holds."""
+        view = self.hist[:, streams]
+        old = view.gather(2, cols[..., None])[..., 0]
+        view.scatter_(2, cols[..., None], torch.where(mask, values, old)[..., None])
+
+    def _temporal_step(self, x: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """One temporal frame for all S rows (static shape). The LM advances every row, so the ring
+        entry each inactive slot had overwritten is put back and its length restored."""
+        kv = self.kv
+        idx = kv.length % kv.context  # [S]: the ring index each row writes
+        rows = self._all_slots
+        saved_k, saved_v = kv.k[:, rows, :, idx], kv.v[:, rows, :, idx]  # [S, layers, H, Dh]
+        h = self.model.temporal(x, kv, rows)
+        keep = (~act)[:, None, None, None]
+        kv.k[:, rows, :, idx] = torch.where(keep, saved_k, kv.k[:, rows, :, idx])
+        kv.v[:, rows, :, idx] = torch.where(keep, saved_v, kv.v[:, rows, :, idx])
+        kv.length -= (~act).long()
+        return h
+
+    @staticmethod
+    def _params(p: RowParams, host_k: list[int], vocab: int) -> RowParams:
+        ks = [vocab if k <= 0 else min(k, vocab) for k in host_k]
+        return RowParams(p.greedy, p.temperature, torch.where(p.top_k <= 0, vocab, p.top_k.clamp(max=vocab)), max(ks))
+
+    # ---- slot state ----------------------------------------------------------------------------
+
+    def _check_slot(self, slot) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot!r} is out of range for an engine of {self.num_slots} slots")
+
+    def _reset_slot(self, slot: int) -> None:
+        if self._jobs[slot] is not None:
+            self._jobs[slot].cancelled = True
+            self._jobs[slot] = None
+        self._live[slot] = False
+        self.kv.reset(slot)
+        self.hist[slot] = prompt.UNKNOWN
+        self.offset[slot] = 0
+        self.start[slot] = 1
+
+    def _set_sampling(self, slot: int, s: SamplingParams) -> None:
+        self.seed[slot] = s.seed
+        self._text.greedy[slot] = s.greedy
+        self._text.temperature[slot] = float(s.text_temperature)
+        self._text.top_k[slot] = s.text_top_k
+        self._audio.temperature[slot] = float(s.audio_temperature)
+        self._audio.top_k[slot] = s.audio_top_k
+        self._text_k[slot], self._audio_k[slot] = s.text_top_k, s.audio_top_k
+
+    def _go_live(self, slot: int, cols: prompt.PromptColumns) -> None:
+        """Prefill finished: the token history after the prompt; the first live step reads column F-1."""
+        self.hist[slot] = cols.ring.to(self.device)
+        self.offset[slot] = cols.frames - 1
+        self.start[slot] = cols.frames
+        self._live[slot] = True
+        self._jobs[slot] = None
+
+    # ---- voices and persona --------------------------------------------------------------------
+
+    def _voice_prefix(self, name: str) -> _VoicePrefix:
+        if self.paths is None:
+            raise InvalidVoice("this engine has no checkpoint directory, so no bundled voices")
+        path = self.paths.resolve_voice(name)  # InvalidVoice for anything but a bundled basename
+        if name not in self._voice_kv:
+            if name not in self._voice_files:
+                self._voice_files[name] = load_voice(path, self.cfg.dim, self.cfg.delays, self.text_card, self.card)
+            self._voice_kv[name] = _VoicePrefix(self, self._voice_files[name])
+        return self._voice_kv[name]
+
+    def _copy_voice_kv(self, slot: int, prefix: _VoicePrefix) -> None:
+        self.kv.k[:, slot].copy_(prefix.kv.k[:, 0])
+        self.kv.v[:, slot].copy_(prefix.kv.v[:, 0])
+        self.kv.length[slot] = prefix.kv.length[0]
+
+    def _persona_tokens(self, persona: str) -> list[int]:
+        if not isinstance(persona, str):
+            raise InvalidPersona(f"persona must be a str, got {type(persona).__name__}")
+        try:
+            return self.tokenizer.encode_persona(persona)
+        except InvalidText as e:
+            raise InvalidPersona(f"persona cannot be tokenized: {e}") from None
