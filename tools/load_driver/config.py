@@ -27,9 +27,10 @@ class DriverConfig:
     input_wav: Path | None = None  # None: a synthetic speech-like signal (see input_audio.py)
     input_format: str = "pcm_f32le"  # or "pcm16"
     voice: str = "NATF2.pt"
-    persona: str = "You are a concise and helpful assistant."
-    secondary_persona: str = "You are a calm and precise assistant."
-    replacement_persona: str = "You are a cheerful travel assistant."
+    # Short personas: they must also fit the embedded tiny model's 32-frame prompt window.
+    persona: str = "You are a helpful assistant."
+    secondary_persona: str = "You are a calm assistant."
+    replacement_persona: str = "You are a cheerful travel guide."
 
     # Mode: None = lifecycle (admission, slot reuse); N = paced load with N sessions.
     sessions: int | None = None

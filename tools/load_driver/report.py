@@ -229,7 +229,8 @@ def plot_timeline(result: dict[str, Any], path: Path) -> None:
             top.step([p["received_at_s"] - t0 for p in packets], ys, where="post", label=f"{label} audio received")
     top.set_ylabel("seconds of audio")
     top.set_title(f"{result['requested_sessions']} paced sessions ({'PASS' if result['ok'] else 'FAIL'})")
-    top.legend(fontsize="small", ncol=2)
+    if top.get_legend_handles_labels()[0]:
+        top.legend(fontsize="small", ncol=2)
     bottom.axhline(FRAME_PERIOD_S * 1000, color="red", linestyle="--", linewidth=0.8, label="pacing warning")
     bottom.set_ylabel("send lateness (ms)")
     bottom.set_xlabel("seconds since shared input start (client monotonic clock)")

@@ -1,0 +1,63 @@
+"""The load driver against the real local stack: encoder, talker, decoder and gateway processes
+on the embedded tiny checkpoint (tools.run_stack.Stack, as `make run` starts them), 2 slots.
+
+The driver runs as a user runs it: `python -m tools.load_driver ...` in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.run_stack import Stack
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    with Stack(tiny_checkpoint, sessions=2) as running:
+        yield running
+
+
+def driver(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tools.load_driver", "--no-progress", "--timeout-s", "60", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(600)
+def test_two_paced_sessions_on_the_real_stack(stack, tmp_path):
+    out = tmp_path / "n2"
+    proc = driver("--url", stack.gateway.ws_url, "--sessions", "2", "--load-frames", "50", "--drain-s", "3",
+                  "--output-dir", str(out), "--server-revision", "local", "--server-hardware", "cpu")
+    assert (out / "load-result.json").exists(), proc.stderr[-3000:]
+    result = json.loads((out / "load-result.json").read_text())
+    rows = result["sessions"]
+    assert proc.returncode == 0, (proc.stdout, [(r["error"], r["server_error_codes"]) for r in rows],
+                                  stack.gateway.log_tail(3000))
+    assert result["ok"] and result["passed_sessions"] == 2 and result["shared_response_ids"] == []
+    assert result["capabilities"]["chunk_period_ms"] == 80
+    assert rows[0]["response_ids"] != rows[1]["response_ids"]
+    for row in rows:
+        assert row["input_frames"] == 50 and 0 <= row["frame_deficit"] <= 4
+        assert row["invalid_audio_packets"] == [] and row["voiced_frames"] >= 5 and row["audio_rms"] > 1e-5
+        assert row["client_first_audio_after_stream_start_ms"] > 0 and row["client_stream_rtf"] > 0
+        assert row["text_deltas"] > 0 and row["closed"]
+
+
+@pytest.mark.timeout(600)
+def test_lifecycle_on_the_real_stack(stack, tmp_path):
+    out = tmp_path / "life"
+    proc = driver("--url", stack.gateway.ws_url, "--capacity", "2", "--lifecycle-frames", "25", "--drain-s", "2",
+                  "--output-dir", str(out))
+    result = json.loads((out / "lifecycle-result.json").read_text())
+    assert proc.returncode == 0 and result["ok"], (result["failed_check"], result["error"],
+                                                   stack.gateway.log_tail(3000))
+    assert result["overflow_error"]["code"] == "resource_exhausted"
+    assert {"fresh_session_id", "fresh_response_id", "survivor_response_stable"} <= set(result["passed_checks"])
