@@ -83,7 +83,7 @@ def test_codes_vary_with_input(tiny):
 
 def test_init_random_is_deterministic():
     a = MimiModel(MimiConfig.tiny()).init_random_(seed=7).state_dict()
-    b = MimiModel(MimiConfig.tiny()).init_random_(seed=7).state_dict()
+    b = MimiModel.random(MimiConfig.tiny(), seed=7).state_dict()  # from uninitialized memory: init covers all
     c = MimiModel(MimiConfig.tiny()).init_random_(seed=8).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["encoder.model.0.conv.conv.weight"], c["encoder.model.0.conv.conv.weight"])
@@ -249,3 +249,13 @@ def test_config_roundtrip():
         MimiConfig.from_dict({"n_filters": 4, "bogus": 1})
     with pytest.raises(ValueError):
         MimiConfig(num_codebooks=33)
+
+
+def test_weights_loaded_after_use_take_effect():
+    """The quantizer caches centroids; a later load_state_dict must invalidate that cache."""
+    a = MimiModel(MimiConfig.tiny()).init_random_(seed=11)
+    b = MimiModel(MimiConfig.tiny()).init_random_(seed=12)
+    pcm = 0.2 * torch.randn(1, 1, 4 * FRAME)
+    a.encode(pcm)
+    a.load_state_dict(b.state_dict())
+    assert torch.equal(a.encode(pcm), b.encode(pcm))

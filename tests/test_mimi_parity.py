@@ -125,3 +125,26 @@ def test_streaming_decoder_matches_moshi(models):
                     level.append(want.abs().max().item())
     assert max(level) > 0.05  # the comparison is over real signal, not silence
     assert worst < 1e-4, worst
+
+
+def test_full_size_matches_moshi():
+    """The published shapes (SEANet 64 filters, 8 layers of d512 / 8 heads, 32 codebooks), a few frames:
+    catches anything the tiny shapes cannot (head split, real strides and widths)."""
+    cfg = MimiConfig.full()
+    ours = MimiModel.random(cfg, seed=0)
+    ref = loaders.get_mimi(None)
+    ref.load_state_dict(ours.state_dict())
+    ref.streaming_forever(1)
+    enc, dec = StreamingEncoder(ours, 2), StreamingDecoder(ours, 2)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for t in range(3):
+            active = torch.tensor([True, t != 1])  # slot 1 idles once; slot 0 is compared
+            pcm = torch.stack([_audio(g, cfg.frame_size) for _ in range(2)])
+            codes = enc.step(pcm, active)
+            want = ref.encode(pcm[:1].view(1, 1, -1))[0, :, 0]
+            assert torch.equal(codes[0], want), t
+            out = dec.step(codes, active)
+            want_pcm = ref.decode(want.view(1, -1, 1))[0, 0]
+            assert (out[0] - want_pcm).abs().max() < 1e-4
+            assert want_pcm.abs().max() > 0.05

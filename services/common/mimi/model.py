@@ -137,6 +137,13 @@ class MimiModel(nn.Module):
         log.info("loaded Mimi from %s (%s, %s)", path, device, dtype)
         return model
 
+    @classmethod
+    def random(cls, cfg: MimiConfig, seed: int, device: str | torch.device = "cpu") -> "MimiModel":
+        """Same weights as `MimiModel(cfg).init_random_(seed)`, without paying for torch's default init."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        return model.to_empty(device=device).init_random_(seed).eval()
+
     @torch.no_grad()
     def init_random_(self, seed: int) -> "MimiModel":
         """Deterministic random weights that keep activations O(1), with codebooks fitted to the
@@ -167,8 +174,8 @@ class MimiModel(nn.Module):
                 module.bias.copy_(normal(module.bias.shape, 0.05))
 
         # Fit the codebooks to latents of a fixed noise signal, layer by layer of the residual.
-        frames = 8
-        pcm = normal((2, 1, frames * self.cfg.frame_size), 0.1).to(self.device, self.dtype)
+        frames = 6
+        pcm = normal((1, 1, frames * self.cfg.frame_size), 0.1).to(self.device, self.dtype)
         latent = self.downsample.conv(self.encoder_transformer(self.encoder(pcm))).float()
         for rvq in (self.quantizer.rvq_first, self.quantizer.rvq_rest):
             residual = torch.nn.functional.conv1d(latent, rvq.input_proj.weight.float()).transpose(1, 2)

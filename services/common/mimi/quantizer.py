@@ -20,9 +20,22 @@ class EuclideanCodebook(nn.Module):
         self.register_buffer("_initialized", torch.tensor([False], dtype=torch.float))
         self.register_buffer("cluster_usage", torch.ones(bins))
         self.register_buffer("embedding_sum", torch.zeros(bins, dim))
+        self._cache: tuple | None = None
+
+    def _key(self) -> tuple:
+        # Any in-place write (load_state_dict, init) bumps a tensor's _version; .to() makes new tensors.
+        return tuple((t.data_ptr(), t._version, t.device) for t in (self.embedding_sum, self.cluster_usage))
+
+    def centroids_and_norms(self) -> tuple[Tensor, Tensor]:
+        """(centroids [bins, dim], their squared norms [bins]) in fp32, recomputed only when the buffers change."""
+        key = self._key()
+        if self._cache is None or self._cache[0] != key:
+            c = self.embedding_sum.float() / self.cluster_usage.float().clamp(min=_EPSILON)[:, None]
+            self._cache = (key, c, (c * c).sum(-1))
+        return self._cache[1], self._cache[2]
 
     def centroids(self) -> Tensor:
-        return self.embedding_sum.float() / self.cluster_usage.float().clamp(min=_EPSILON)[:, None]
+        return self.centroids_and_norms()[0]
 
 
 class VectorQuantization(nn.Module):
@@ -49,9 +62,9 @@ class ResidualVectorQuantizer(nn.Module):
         residual = F.conv1d(x.float(), self.input_proj.weight.float()).transpose(1, 2)  # [B, T, D]
         codes = []
         for layer in self.vq.layers[:n]:
-            centroids = layer._codebook.centroids()
+            centroids, norms = layer._codebook.centroids_and_norms()
             # argmin ||r - c||^2 = argmin (||c||^2 - 2 r.c): ||r||^2 is the same for every centroid.
-            scores = (centroids * centroids).sum(-1) - 2 * residual @ centroids.T
+            scores = norms - 2 * residual @ centroids.T
             idx = scores.argmin(dim=-1)
             residual = residual - F.embedding(idx, centroids)
             codes.append(idx)
