@@ -116,14 +116,25 @@ class FakeServer:
                 await ws.send(json.dumps({"type": kind, "session": session}))
             await ws.send(json.dumps({"type": "response.created", "response": {"id": rid}}))
             pending = np.zeros(0, np.float32)
+            poisoned = False
             inputs: list[np.ndarray] = []
             self.appends.append(0)
             slot = len(self.appends) - 1
             async for message in ws:
                 event = json.loads(message)
                 if event["type"] == "input_audio_buffer.append":
+                    try:
+                        raw = base64.b64decode(event["audio"], validate=True)
+                    except ValueError:  # one typed error; the session goes on
+                        await ws.send(json.dumps({"type": "error", "error": {
+                            "type": "invalid_request_error", "code": "bad_audio", "message": "invalid base64"}}))
+                        poisoned = self.behavior.fault == "poison"
+                        continue
+                    if poisoned:  # broken server: a bad append poisons every later one
+                        await ws.send(json.dumps({"type": "error", "error": {
+                            "type": "server_error", "code": "runtime_append_failed", "message": "poisoned"}}))
+                        continue
                     self.appends[slot] += 1
-                    raw = base64.b64decode(event["audio"], validate=True)
                     pending = np.concatenate([pending, np.frombuffer(raw, "<f4")])
                     while pending.size >= FRAME_SAMPLES:
                         inputs.append(pending[:FRAME_SAMPLES])
@@ -453,6 +464,7 @@ def test_lifecycle_passes_against_a_correct_two_slot_server(tmp_path, capsys):
     assert code == 0, result["error"]
     assert result["overflow_error"] == {"type": "rate_limit_error", "code": "resource_exhausted"}
     for check in ("admission_limit", "persona_echo", "distinct_response_ids", "fresh_session_id",
+                  "bad_append_typed_error",
                   "survivor_response_stable", "fresh_response_id", "text_deltas", "response_done"):
         assert check in result["passed_checks"]
     sessions = result["sessions"]
@@ -464,7 +476,8 @@ def test_lifecycle_passes_against_a_correct_two_slot_server(tmp_path, capsys):
 @pytest.mark.parametrize(
     "behavior, failed_check",
     [(Behavior(capacity=3), "admission_limit"), (Behavior(fault="silent"), "audio_audio_rms"),
-     (Behavior(fault="shared_rid"), "distinct_response_ids"), (Behavior(fault="misaligned"), "audio_packets")],
+     (Behavior(fault="shared_rid"), "distinct_response_ids"), (Behavior(fault="misaligned"), "audio_packets"),
+     (Behavior(fault="poison"), "protocol")],
 )
 def test_lifecycle_fails_on_a_broken_contract(behavior, failed_check, tmp_path):
     out = tmp_path / "life"

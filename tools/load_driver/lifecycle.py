@@ -7,7 +7,9 @@
    whole-frame 24 kHz audio plus text deltas under its own single response id;
 3. close primary (`response.done` then `session.closed`), open `replacement` with a third persona
    in the freed slot: a fresh session id, its own persona echoed, a response id never seen before;
-4. stream into secondary (continuing) and replacement at once: both valid, and secondary keeps
+4. send secondary one malformed append: exactly one typed `invalid_request_error`, and the
+   session keeps working (not poisoned);
+5. stream into secondary (continuing) and replacement at once: both valid, and secondary keeps
    its response id across the slot reuse.
 The first failed check stops the scenario; every opened session is still closed (bounded).
 """
@@ -22,8 +24,24 @@ from typing import Any
 import numpy as np
 
 from .config import FRAME_PERIOD_S, FRAME_SAMPLES, DriverConfig
-from .load import START_LEAD_S, SessionRun, check_capabilities, close_politely, encoded_frames, paced_send
-from .session import RealtimeSession, created_session, error_code_of, realtime_url, session_id_of, session_update
+from .load import (
+    START_LEAD_S,
+    SessionFailure,
+    SessionRun,
+    check_capabilities,
+    close_politely,
+    encoded_frames,
+    paced_send,
+)
+from .session import (
+    RealtimeSession,
+    SessionLost,
+    created_session,
+    error_code_of,
+    realtime_url,
+    session_id_of,
+    session_update,
+)
 from .validate import AUDIO_DELTA_TYPES, AcceptanceError, audio_stats, scan_events
 
 EXPECTED_CAPABILITIES = {
@@ -109,7 +127,8 @@ class Lifecycle:
     def validate(self, run: SessionRun, role: str, minimum_chunks: int) -> set[str]:
         """Strict per-packet and whole-session checks of one session's audio and text so far."""
         session = run.session
-        self.require(not session.errors(), "no_error_events", f"{role}: server error events {session.error_codes()}")
+        unexpected = session.error_codes()[run.expected_errors:]
+        self.require(not unexpected, "no_error_events", f"{role}: server error events {unexpected}")
         self.require(not session.protocol_faults, "protocol", f"{role}: protocol faults {session.protocol_faults}")
         scan = scan_events(session.events, session.received_at)
         self.require(not scan.invalid, "audio_packets", f"{role}: invalid audio packets {scan.invalid[:3]}")
@@ -139,6 +158,21 @@ class Lifecycle:
             self.require(bool(run.session.of_type("response.done")), "response_done",
                          f"{role}: no response.done before session.closed")
         await run.session.close()
+
+    async def bad_append_is_refused_once(self, run: SessionRun) -> None:
+        """A malformed append (invalid base64) gets one typed error and changes nothing."""
+        self.note("sending secondary one malformed append")
+        before = len(run.session.errors())
+        await run.session.send({"type": "input_audio_buffer.append", "audio": "not base64!"}, self.config.timeout_s)
+        await run.session.wait_for(lambda: len(run.session.errors()) > before, self.config.timeout_s,
+                                   "the error for a malformed append")
+        await asyncio.sleep(2 * FRAME_PERIOD_S)  # room for a (wrong) second error to show up
+        errors = run.session.errors()[before:]
+        body = errors[0].get("error") if isinstance(errors[0].get("error"), dict) else {}
+        self.require(len(errors) == 1 and body.get("type") == "invalid_request_error"
+                     and isinstance(body.get("code"), str), "bad_append_typed_error",
+                     f"a malformed append gave {len(errors)} error(s), first {body.get('type')}/{body.get('code')}")
+        run.expected_errors = len(run.session.errors())
 
     async def scenario(self) -> None:
         cfg = self.config
@@ -176,6 +210,8 @@ class Lifecycle:
         self.require(replacement.session_id not in (primary.session_id, secondary.session_id),
                      "fresh_session_id", "the replacement reused a session id")
 
+        await self.bad_append_is_refused_once(secondary)
+
         self.note(f"streaming {len(self.frames)} more frames into secondary and replacement")
         await self.stream([secondary, replacement])
         survivor_ids = self.validate(secondary, "secondary", cfg.minimum_audio_chunks + 1)
@@ -198,10 +234,14 @@ async def run_lifecycle(config: DriverConfig, pcm: np.ndarray, progress=None) ->
         await life.scenario()
     except CheckFailed as exc:
         failed_check, error = exc.check, str(exc)
-    except (TimeoutError, RuntimeError) as exc:  # SessionLost, SessionFailure: local text
-        failed_check, error = "protocol", f"{type(exc).__name__}: {exc}"
+    except TimeoutError as exc:  # local text: what was awaited
+        failed_check, error = "timeout", str(exc)
+    except SessionLost as exc:
+        failed_check, error = "connection", str(exc)
+    except SessionFailure as exc:
+        failed_check, error = "protocol", str(exc)
     except Exception as exc:  # noqa: BLE001 - may carry remote text: type only
-        failed_check, error = "protocol", type(exc).__name__
+        failed_check, error = "connection", type(exc).__name__
     finally:
         for run in life.runs:  # bounded cleanup of whatever is still open, even after a failure
             if run.admitted and run.session.connected and failed_check is not None:
