@@ -243,6 +243,15 @@ def test_slots_are_independent():
         expect = model.temporal(model.embed(new[row : row + 1]), alone, torch.tensor([0]))
         assert rel_err(batched[row : row + 1], expect) < 1e-5
         torch.testing.assert_close(kv.k[:, slot], alone.k[:, 0], rtol=1e-5, atol=1e-5)
+    # the all-slots fast path (no host-side check) is the same computation
+    twin = model.new_kv_cache(3)
+    for i, tok in enumerate(hist):
+        model.temporal(model.embed(tok), twin, torch.tensor([i]))
+    three = random_tokens(cfg, 3, 1, seed=31)
+    fast = model.temporal(model.embed(three, check=False), twin, twin.all_slots)
+    alone = model.new_kv_cache(1)
+    model.temporal(model.embed(hist[2]), alone, torch.tensor([0]))
+    assert rel_err(fast[2:], model.temporal(model.embed(three[2:]), alone, torch.tensor([0]))) < 1e-5
     # a reset slot behaves like a fresh one
     kv.reset(2)
     assert kv.length.tolist() == [5, 7, 0] and not kv.k[:, 2].any()
@@ -277,6 +286,11 @@ def test_bad_inputs_are_refused_and_leave_the_cache_alone():
     with pytest.raises(ValueError):
         model.depformer_step_logits(16, torch.zeros(1, TINY.dim), torch.zeros(1, dtype=torch.long),
                                     model.new_depformer_cache(1))
+    with pytest.raises(ValueError, match="batch"):
+        model.depformer_step_logits(0, torch.zeros(2, TINY.dim), torch.zeros(2, dtype=torch.long),
+                                    model.new_depformer_cache(1))
+    with pytest.raises(ValueError, match="not made for this model"):
+        model.temporal(x, LMModel(TINY.replace(num_layers=1)).new_kv_cache(2), torch.tensor([0, 1]))
     with pytest.raises(ValueError):
         LMModel(TINY, dep_steps=17)
 

@@ -6,12 +6,17 @@ allocation (the step can be CUDA-graphed; the dtype can be fp8 for storage). The
 per-slot bookkeeping is `length`: how many positions the slot has written (absolute, it keeps
 growing past `context`), from which the position held at every ring index is derived.
 
+The cache also owns attention over its ring (`attend`): the model computes q/k/v and RoPE, the
+cache stores k/v and attends. A subclass with another storage (fp8 with scales) or a fused
+decode kernel overrides `attend` / `write` / `read` without touching the model.
+
 DepformerCache: the depformer's keys/values for the steps of one frame.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 
 class KVCache:
@@ -25,6 +30,9 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = torch.zeros(slots, device=device, dtype=torch.long)
+        # Passing this very tensor as `slots` skips the (host-syncing) validity check: use it for
+        # a step over every slot, e.g. under a CUDA graph.
+        self.all_slots = torch.arange(slots, device=device)
 
     @property
     def slots(self) -> int:
@@ -59,6 +67,8 @@ class KVCache:
 
     def check_slots(self, slots: torch.Tensor) -> None:
         """Rows of one call must name distinct, existing slots (a duplicate would race its own writes)."""
+        if slots is self.all_slots:
+            return
         if slots.dim() != 1 or slots.dtype != torch.long:
             raise ValueError(f"slots must be a 1-D LongTensor, got {tuple(slots.shape)} {slots.dtype}")
         if slots.numel() == 0:
@@ -68,6 +78,46 @@ class KVCache:
             raise IndexError(f"slot ids must be in [0, {self.slots}), got range [{lo}, {hi}]")
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError(f"slot ids in one call must be distinct, got {slots.tolist()}")
+
+    # ---- storage and attention (override for other storage formats or kernels)
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k/v [B, H, T, Dh] of positions [B, T] at ring index pos % context. Only the last
+        `context` positions of a chunk can survive in the ring, so only they are written (this also
+        keeps the indices of one scatter distinct)."""
+        n = min(positions.shape[1], self.context)
+        idx = positions[:, -n:] % self.context  # [B, n]
+        rows = slots[:, None].expand_as(idx)
+        # advanced indices around a slice put their dims first: the target is [B, n, H, Dh]
+        self.k[layer][rows, :, idx] = k[:, :, -n:].transpose(1, 2).to(self.k.dtype)
+        self.v[layer][rows, :, idx] = v[:, :, -n:].transpose(1, 2).to(self.v.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rings of `slots` as [B, H, context, Dh] in the compute dtype."""
+        return self.k[layer][slots].to(dtype), self.v[layer][slots].to(dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Causal sliding-window attention of the T new positions [B, H, T, Dh] (already RoPE'd)
+        of each row's slot, storing their k/v. Query p sees keys p-context+1..p (moshi's window)."""
+        if q.shape[2] == 1:
+            # Live step: write first, then attend over the ring. The entry overwritten was the
+            # position just outside the window, so the ring now holds exactly the window.
+            self.write(layer, slots, positions, k, v)
+            keys, values = self.read(layer, slots, q.dtype)
+            mask = (self.ring_positions(positions[:, 0]) >= 0)[:, None, None, :]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        # Prefill: attend over [ring as it was] + [the T new positions], then write. Writing
+        # first could overwrite positions still inside the window of the chunk's early queries.
+        old_k, old_v = self.read(layer, slots, q.dtype)
+        keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        k_pos = torch.cat([self.ring_positions(positions[:, 0] - 1), positions], dim=1)  # [B, C + T]
+        delta = positions[:, :, None] - k_pos[:, None, :]  # [B, T, C + T]
+        mask = ((k_pos >= 0)[:, None, :] & (delta >= 0) & (delta < self.context))[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        self.write(layer, slots, positions, k, v)
+        return out
 
 
 class DepformerCache:

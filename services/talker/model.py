@@ -122,40 +122,11 @@ class TemporalAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: KVCache, layer: int, slots: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         # rows of in_proj are q|k|v, each (heads, head_dim): [3, B, H, T, Dh]
         q, k, v = F.linear(x, self.in_proj_weight).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, k, positions, self.max_period)
-        ring_k, ring_v = kv.k[layer], kv.v[layer]  # [slots, H, C, Dh]
-        if T == 1:
-            # Live step: write first, then attend over the ring. The entry overwritten was the
-            # position just outside the window, so the ring now holds exactly the window.
-            _write(ring_k, ring_v, slots, positions, k, v, kv.context)
-            keys, values = ring_k[slots].to(q.dtype), ring_v[slots].to(q.dtype)
-            mask = (kv.ring_positions(positions[:, 0]) >= 0)[:, None, None, :]
-        else:
-            # Prefill: attend over [ring as it was] + [the T new positions], then write. Writing
-            # first could overwrite positions still inside the window of the chunk's early queries.
-            old_pos = kv.ring_positions(positions[:, 0] - 1)
-            keys = torch.cat([ring_k[slots].to(q.dtype), k], dim=2)
-            values = torch.cat([ring_v[slots].to(q.dtype), v], dim=2)
-            k_pos = torch.cat([old_pos, positions], dim=1)  # [B, C + T]
-            delta = positions[:, :, None] - k_pos[:, None, :]  # [B, T, C + T]
-            mask = ((k_pos >= 0)[:, None, :] & (delta >= 0) & (delta < kv.context))[:, None]
-            _write(ring_k, ring_v, slots, positions, k, v, kv.context)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = kv.attend(layer, q, k, v, slots, positions)  # stores k/v in the slot's ring
         return self.out_proj(out.transpose(1, 2).flatten(2))
-
-
-def _write(ring_k, ring_v, slots, positions, k, v, context: int) -> None:
-    """Store the new keys/values at ring index pos % context. Only the last `context` positions
-    of a chunk can survive in the ring, so only they are written (no duplicate indices)."""
-    n = min(positions.shape[1], context)
-    idx = positions[:, -n:] % context  # [B, n]
-    rows = slots[:, None].expand_as(idx)
-    # advanced indices around a slice put their dims first: the target is [B, n, H, Dh]
-    ring_k[rows, :, idx] = k[:, :, -n:].transpose(1, 2).to(ring_k.dtype)
-    ring_v[rows, :, idx] = v[:, :, -n:].transpose(1, 2).to(ring_v.dtype)
 
 
 class TemporalLayer(nn.Module):
@@ -327,14 +298,15 @@ class LMModel(nn.Module):
     # ---- temporal transformer
 
     @torch.no_grad()
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens LongTensor[B, T, 17] (already delayed) -> the summed input embedding [B, T, dim]."""
+    def embed(self, tokens: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """tokens LongTensor[B, T, 17] (already delayed) -> the summed input embedding [B, T, dim].
+        check=False skips the id range check (a host sync) for callers that validated already."""
         cfg = self.cfg
         if tokens.dim() != 3 or tokens.shape[-1] != cfg.num_streams or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be a LongTensor[B, T, {cfg.num_streams}], got {tuple(tokens.shape)} {tokens.dtype}")
         text, audio = tokens[..., 0], tokens[..., 1:]
         # An out-of-range id would be a device-side assert on GPU, killing every session: refuse it here.
-        if tokens.numel() and (int(tokens.min()) < -1 or int(text.max()) > cfg.text_card or int(audio.max()) > cfg.card):
+        if check and tokens.numel() and (int(tokens.min()) < -1 or int(text.max()) > cfg.text_card or int(audio.max()) > cfg.card):
             raise ValueError(f"token ids must be -1, text 0..{cfg.text_card} or audio 0..{cfg.card}")
         x = embed_or_zero(self.emb[0], audio[..., 0])
         for k in range(1, cfg.n_q):  # audio first, then text: moshi's summation order
@@ -343,7 +315,7 @@ class LMModel(nn.Module):
 
     def new_kv_cache(self, slots: int, device=None, dtype=None, context: int | None = None) -> KVCache:
         cfg = self.cfg
-        return KVCache(cfg.num_layers, slots, cfg.num_heads, context or cfg.context, cfg.head_dim,
+        return KVCache(cfg.num_layers, slots, cfg.num_heads, cfg.context if context is None else context, cfg.head_dim,
                        device=device or self.device, dtype=dtype or self.dtype)
 
     @torch.no_grad()
@@ -351,6 +323,8 @@ class LMModel(nn.Module):
         """Advance slot slots[b] by the T frames x[b] (T=1 live, T>1 prefill); returns out_norm(h)."""
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim or x.shape[1] < 1:
             raise ValueError(f"x must be [B, T>=1, {self.cfg.dim}], got {tuple(x.shape)}")
+        if (kv.k.shape[0], kv.k.shape[2], kv.k.shape[4]) != (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim):
+            raise ValueError(f"KV cache of shape {tuple(kv.k.shape)} was not made for this model")
         kv.check_slots(slots)
         if slots.numel() != x.shape[0]:
             raise ValueError(f"{x.shape[0]} rows but {slots.numel()} slots")
@@ -379,7 +353,10 @@ class LMModel(nn.Module):
         """Step cb of the depformer: h [B, dim] (temporal output), prev_token [B] (the text token
         for cb 0, else step cb-1's audio token) -> logits [B, card]. Steps must run 0, 1, .., cb."""
         if not 0 <= cb < min(self.dep_steps, dep_kv.steps):
-            raise ValueError(f"depformer step {cb} is not resident (dep_steps={self.dep_steps})")
+            raise ValueError(f"depformer step {cb} is not resident (dep_steps={self.dep_steps}, cache {dep_kv.steps})")
+        if h.dim() != 2 or prev_token.shape != (h.shape[0],) or dep_kv.batch != h.shape[0]:
+            raise ValueError(f"h [B, dim], prev_token [B] and a cache of batch B expected, got "
+                             f"{tuple(h.shape)}, {tuple(prev_token.shape)}, batch {dep_kv.batch}")
         token_emb = self.depformer_text_emb if cb == 0 else self.depformer_emb[cb - 1]
         x = (self.depformer_in[cb](h) + embed_or_zero(token_emb, prev_token))[:, None]
         for i, layer in enumerate(self.dep_layers):
