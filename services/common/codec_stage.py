@@ -90,13 +90,29 @@ class CodecBatcher:
         if item is not None and not item[1].done():
             item[1].cancel()
 
+    async def _gather(self, loop) -> None:
+        """Wait up to batch_wait_s for more frames, but not once every live stream has one pending.
+
+        A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape
+        batch), so a short wait that lets streams of a different phase join saves whole steps."""
+        deadline = loop.time() + self.batch_wait_s
+        while len(self._pending) < len(self.runtime.streams):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             if self.batch_wait_s > 0:
-                await asyncio.sleep(self.batch_wait_s)  # let near-simultaneous frames join this batch
+                await self._gather(loop)
             batch, self._pending = self._pending, {}
             batch = {s: item for s, item in batch.items() if not item[1].done()}
             if not batch:
@@ -181,6 +197,12 @@ class CodecStream:
             reason = "drained" if e.kind == "drained" else "error"
             self._close(handle, reason)  # free the slot before telling the client
             await runtime.fail(context, e, stream_id)
+        except grpc.aio.BaseError:  # an abort in flight, or the RPC is already gone: nothing to tell
+            raise
+        except Exception as e:  # a bug: this stream gets INTERNAL, the service goes on
+            runtime.log.exception("stream=%s failed", stream_id)
+            self._close(handle, "error")
+            await runtime.fail(context, Internal(f"{runtime.stage} failed: {type(e).__name__}: {e}"), stream_id)
         finally:
             self._close(handle, reason)
 
@@ -201,7 +223,9 @@ class CodecServiceConfig:
     slots: int = 16  # concurrent streams (rows of the codec batch)
     device: str = "cpu"  # cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    batch_wait_ms: float = 0.0  # extra wait after the first pending frame before stepping
+    # After the first pending frame, wait up to this long for other streams' frames (never once all
+    # live streams have one pending): fewer, fuller steps for a little latency.
+    batch_wait_ms: float = 5.0
     drain_deadline_s: float = 30.0  # SIGTERM: how long live streams may continue
     log_level: str = "INFO"
 
