@@ -393,3 +393,16 @@ def test_config_roundtrip_and_validation():
         full.replace(delays=(0, 1))
     with pytest.raises(ValueError):
         full.replace(num_heads=3)
+
+
+def test_loads_the_embedded_tiny_checkpoint(tiny_checkpoint):
+    """The generated checkpoint (tools.make_checkpoint) loads strictly with the config it records."""
+    from services.common.checkpoint import CheckpointPaths
+
+    paths = CheckpointPaths.open(tiny_checkpoint, require=("lm",))
+    cfg = LMConfig.from_dict(paths.serve_config()["lm"])
+    model = LMModel.load(paths.lm, cfg, dep_steps=8)
+    kv = model.new_kv_cache(1)
+    h = model.temporal(model.embed(random_tokens(cfg, 1, 2, seed=0)), kv, kv.all_slots)[:, -1]
+    audio = model.depformer(h, model.text_logits(h).argmax(-1), lambda cb, logits: logits.argmax(-1))
+    assert audio.shape == (1, 8) and bool(((audio >= 0) & (audio < cfg.card)).all())
