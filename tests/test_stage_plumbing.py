@@ -8,6 +8,8 @@ state isolation are checked exactly. Mimi itself is tested in test_codec_service
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -25,7 +27,7 @@ from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool
 from services.common.stage_config import load_config
 from services.encoder.server import EncoderServicer, SERVICE_NAME, parse_pcm
-from tools.procs import ServiceProcess, ServiceStartError
+from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError
 
 FRAME = 1920
 
@@ -356,3 +358,31 @@ def test_procs_reports_a_failed_start_with_its_stderr():
         proc.start()
     proc.close()
     assert proc.proc.returncode == 1
+
+
+async def test_slot_freed_when_client_process_is_killed(toy):
+    service, _, _, _ = toy
+    # A separate client process opens a stream, then is killed -9: no cancel, no close, just a dropped connection.
+    script = (
+        "import sys, time, grpc\n"
+        "from duplex.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc\n"
+        "def reqs():\n"
+        "    yield encoder_pb2.EncodeRequest(open=common_pb2.StreamOpen(stream_id='doomed'))\n"
+        "    time.sleep(3600)\n"
+        "call = encoder_pb2_grpc.EncoderStub(grpc.insecure_channel(sys.argv[1])).Encode(reqs())\n"
+        "print(next(call).opened.slot, flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, f"127.0.0.1:{service.port}", cwd=REPO_ROOT, stdout=subprocess.PIPE
+    )
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+        assert line.strip() == b"0" and "doomed" in service.runtime.streams
+        child.kill()
+        await child.wait()
+        await wait_until(lambda: service.runtime.pool.free_count == 4 and not service.runtime.streams, timeout=10)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()

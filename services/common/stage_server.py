@@ -237,7 +237,13 @@ class StageServer:
 
     async def start(self) -> None:
         # Never set maximum_concurrent_rpcs: health and GetCapacity must answer when the slots are full.
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),  # a second service on the same port must fail, not share it
+            # Find clients that vanished without closing (a dead peer holds its slot until then).
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ])
         self.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
