@@ -259,3 +259,18 @@ def test_weights_loaded_after_use_take_effect():
     a.encode(pcm)
     a.load_state_dict(b.state_dict())
     assert torch.equal(a.encode(pcm), b.encode(pcm))
+
+
+def test_bf16_load_streams(tiny, tmp_path):
+    """A bf16 model (quantizer kept in fp32) streams, gives float32 audio and mostly the fp32 codes."""
+    path = tmp_path / "mimi.safetensors"
+    save_file(tiny.state_dict(), str(path))
+    half = MimiModel.load(path, MimiConfig.tiny(), dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.quantizer.rvq_first.input_proj.weight.dtype == torch.float32
+    enc, dec = StreamingEncoder(half, 2), StreamingDecoder(half, 2)
+    active = torch.ones(2, dtype=torch.bool)
+    pcm = 0.2 * torch.randn(2, 1, 4 * FRAME, generator=torch.Generator().manual_seed(3))
+    codes = torch.stack([enc.step(pcm[:, 0, i * FRAME:(i + 1) * FRAME], active) for i in range(4)], dim=-1)
+    assert (codes == tiny.encode(pcm)).float().mean() > 0.75
+    out = dec.step(codes[..., 0], active)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()

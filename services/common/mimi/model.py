@@ -81,11 +81,12 @@ class MimiModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.quantizer.rvq_first.input_proj.weight.device
+        return self.encoder.model[0].conv.conv.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.quantizer.rvq_first.input_proj.weight.dtype
+        """The compute dtype of convolutions and transformers (the quantizer always runs in fp32)."""
+        return self.encoder.model[0].conv.conv.weight.dtype
 
     # ---- one-shot -------------------------------------------------------------------------
     @torch.no_grad()
@@ -103,7 +104,7 @@ class MimiModel(nn.Module):
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
-        """codes [B, num_codebooks, F] -> audio [B, 1, F * 1920]."""
+        """codes [B, num_codebooks, F] -> float32 audio [B, 1, F * 1920]."""
         K = self.cfg.num_codebooks
         if not isinstance(codes, Tensor) or codes.dim() != 3 or codes.shape[1] != K or codes.is_floating_point():
             raise InvalidFrame(f"decode expects integer codes [B, {K}, F], got {_describe(codes)}")
@@ -112,7 +113,7 @@ class MimiModel(nn.Module):
         if ((codes < 0) | (codes >= self.cfg.bins)).any():
             raise InvalidFrame(f"decode got codes outside [0, {self.cfg.bins})")
         latent = self.quantizer.decode(codes.to(self.device, torch.long), self.dtype)
-        return self.decoder(self.decoder_transformer(self.upsample.convtr(latent)))
+        return self.decoder(self.decoder_transformer(self.upsample.convtr(latent))).float()
 
     # ---- weights --------------------------------------------------------------------------
     @classmethod

@@ -90,7 +90,7 @@ class StreamingEncoder(_Streamer):
 
 
 class StreamingDecoder(_Streamer):
-    """codes [slots, num_codebooks] -> pcm [slots, 1920] per step."""
+    """codes [slots, num_codebooks] -> float32 pcm [slots, 1920] per step."""
 
     def _init_state(self, device, dtype) -> list:
         m, n = self.model, self.slots
@@ -123,7 +123,7 @@ class StreamingDecoder(_Streamer):
         latent = m.quantizer.decode(codes[:, :, None], m.dtype)
         latent = m.upsample.convtr(latent, upsample_state, active)
         latent = m.decoder_transformer(latent, transformer_state, active)
-        return m.decoder(latent, seanet_state, active)[:, 0]
+        return m.decoder(latent, seanet_state, active)[:, 0].float()
 
 
 def _describe(x) -> str:
