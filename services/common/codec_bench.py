@@ -5,7 +5,7 @@
 Starts the encoder and decoder as real processes (tools/procs.py), runs N streams that each
 send one frame every 80 ms (encoder: random audio; decoder: the codes the encoder returned),
 and reads the services' own step metrics: mean step time, mean batch size, and the client's
-round-trip per frame (p50 / p99).
+round-trip per frame (p50 / p99). Then times the bare codec step in-process at each N, for reference.
 """
 
 from __future__ import annotations
@@ -76,6 +76,34 @@ async def run(enc_p, dec_p, streams: int, frames: int) -> None:
         )
 
 
+def raw_steps(checkpoint: str, device: str, streams: int, frames: int) -> None:
+    """The codec alone, in this process, all `streams` slots active: the floor under the service's step."""
+    import torch
+
+    from services.common.codec_stage import CodecServiceConfig, load_mimi
+    from services.common.mimi import StreamingDecoder, StreamingEncoder
+
+    model, cfg = load_mimi(CodecServiceConfig(checkpoint=checkpoint, device=device))
+    enc, dec = StreamingEncoder(model, streams), StreamingDecoder(model, streams)
+    active = torch.ones(streams, dtype=torch.bool, device=device)
+    pcm = torch.randn(streams, cfg.frame_size, device=device) * 0.3
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.no_grad():
+        for _ in range(3):
+            dec.step(enc.step(pcm, active), active)
+        times = {"encoder": 0.0, "decoder": 0.0}
+        for _ in range(frames):
+            sync(); t0 = time.perf_counter()
+            codes = enc.step(pcm, active)
+            sync(); t1 = time.perf_counter()
+            dec.step(codes, active)
+            sync(); t2 = time.perf_counter()
+            times["encoder"] += t1 - t0
+            times["decoder"] += t2 - t1
+    for stage, t in times.items():
+        print(f"{stage:8s} streams={streams:3d} raw codec step (in-process, no gRPC) {1000 * t / frames:7.2f} ms", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="")
@@ -97,6 +125,12 @@ def main() -> None:
     with enc_p, dec_p:
         for n in args.streams:
             asyncio.run(run(enc_p, dec_p, n, args.frames))
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    for n in args.streams:
+        raw_steps(checkpoint, args.device, n, args.frames)
 
 
 if __name__ == "__main__":
