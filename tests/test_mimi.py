@@ -274,3 +274,15 @@ def test_bf16_load_streams(tiny, tmp_path):
     assert (codes == tiny.encode(pcm)).float().mean() > 0.75
     out = dec.step(codes[..., 0], active)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_loads_the_embedded_tiny_checkpoint(tiny_checkpoint):
+    from services.common.checkpoint import CheckpointPaths
+
+    paths = CheckpointPaths.open(tiny_checkpoint, require=("mimi",))
+    cfg = MimiConfig.from_dict(paths.serve_config()["mimi"])
+    model = MimiModel.load(paths.mimi, cfg)
+    pcm = 0.2 * torch.randn(1, 1, 2 * FRAME, generator=torch.Generator().manual_seed(9))
+    codes = model.encode(pcm)
+    assert codes.shape == (1, cfg.num_codebooks, 2)
+    assert model.decode(codes).shape == (1, 1, 2 * FRAME)
