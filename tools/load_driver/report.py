@@ -212,21 +212,22 @@ def plot_timeline(result: dict[str, Any], path: Path) -> None:
     t0 = result["stream_start_s"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for row in result["sessions"]:
-        label = f"#{row['index']}"
+        label, color = f"#{row['index']}", f"C{row['index'] % 10}"
         sends = row["input_timeline"]
         if sends:
             xs = [s["send_started_at_s"] - t0 for s in sends]
             top.step(xs, [(i + 1) * FRAME_PERIOD_S for i in range(len(xs))], where="post", linestyle=":",
-                     label=f"{label} input sent")
+                     color=color, label=f"{label} input sent")
             bottom.plot(xs, [max(0.0, s["send_started_at_s"] - s["planned_at_s"]) * 1000 for s in sends],
-                        label=label)
+                        color=color, label=label)
         packets = row["audio_packet_timeline"]
         if packets:
             total, ys = 0, []
             for p in packets:
                 total += p["samples"]
                 ys.append(total / SAMPLE_RATE_HZ)
-            top.step([p["received_at_s"] - t0 for p in packets], ys, where="post", label=f"{label} audio received")
+            top.step([p["received_at_s"] - t0 for p in packets], ys, where="post", color=color,
+                     label=f"{label} audio received")
     top.set_ylabel("seconds of audio")
     top.set_title(f"{result['requested_sessions']} paced sessions ({'PASS' if result['ok'] else 'FAIL'})")
     if top.get_legend_handles_labels()[0]:
