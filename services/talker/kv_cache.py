@@ -94,7 +94,10 @@ class KVCache:
         self.v[layer][rows, :, idx] = v[:, :, -n:].transpose(1, 2).to(self.v.dtype)
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rings of `slots` as [B, H, context, Dh] in the compute dtype."""
+        """The rings of `slots` as [B, H, context, Dh] in the compute dtype. For a call over every
+        slot this is the ring itself (a view): gathering would copy the whole cache each step."""
+        if slots is self.all_slots:
+            return self.k[layer].to(dtype), self.v[layer].to(dtype)
         return self.k[layer][slots].to(dtype), self.v[layer][slots].to(dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
