@@ -50,6 +50,8 @@ class ToyCodec:
     def step(self, pcm: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         self.entered.set()
         self.gate.wait(10)
+        if (pcm == 7).any():  # lets a test make one step fail
+            raise RuntimeError("toy codec failure")
         self.steps += 1
         self.state = torch.where(active, self.state + pcm.double().sum(-1), self.state)
         base = self.state.round().long()
@@ -386,3 +388,15 @@ async def test_slot_freed_when_client_process_is_killed(toy):
         if child.returncode is None:
             child.kill()
             await child.wait()
+
+
+async def test_failed_step_ends_its_streams_with_internal_and_service_goes_on(toy):
+    service, _, _, stub = toy
+    call, _ = await open_stream(stub, "unlucky")
+    await call.write(pcm_frame(0, np.full(FRAME, 7, np.float32)))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "toy codec failure" in e.value.details()
+    frames = frames_for(2, 9)
+    assert await run_stream(stub, "next", frames) == expected_codes(frames)
+    assert service.runtime.pool.free_count == 4

@@ -118,14 +118,14 @@ class CodecBatcher:
             if not batch:
                 continue
             slots = sorted(batch)
-            x = torch.zeros((self.pool.total, *self.in_shape), dtype=self.in_dtype)
-            active = torch.zeros(self.pool.total, dtype=torch.bool)
-            for s in slots:
-                x[s] = batch[s][0]
-                active[s] = True
             self.pool.pin(slots)
             t0 = time.perf_counter()
             try:
+                x = torch.zeros((self.pool.total, *self.in_shape), dtype=self.in_dtype)
+                active = torch.zeros(self.pool.total, dtype=torch.bool)
+                for s in slots:
+                    x[s] = batch[s][0]
+                    active[s] = True
                 out = await loop.run_in_executor(self._worker, self._step, x, active)
             except Exception as e:  # a failed step ends the streams in it, not the service
                 self.runtime.log.exception("step failed for slots %s", slots)
