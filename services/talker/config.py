@@ -26,6 +26,7 @@ class TalkerConfig:
     slots: int = 2  # concurrent sessions = the batch size of every step
     device: str = "cpu"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) or one of DTYPES
+    context: int = 0  # temporal attention window / KV ring in frames (0 = the checkpoint's)
     tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
@@ -43,6 +44,8 @@ class TalkerConfig:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.context < 0:
+            raise ValueError(f"context must be >= 0 (0 = the checkpoint's), got {self.context}")
         if self.prefill_chunk_frames < 1:
             raise ValueError(f"prefill_chunk_frames must be >= 1, got {self.prefill_chunk_frames}")
         if self.max_persona_chars < 1:

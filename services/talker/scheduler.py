@@ -106,6 +106,7 @@ class ConversationClock:
         self._step_s = 0.0
         self._prefill_frame_s = 0.0
         self._begin_s = 0.0
+        self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
         self.ticks = 0
         self.steps = 0  # batched engine steps, main + catch-up
 
@@ -138,6 +139,8 @@ class ConversationClock:
         """
         s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed)
         s.prefill_started = time.perf_counter()
+        if not self._prefill_waiting():
+            self._prefill_progress = asyncio.get_running_loop().time()  # its wait starts now
         self.sessions[slot] = s
         self._wake.set()
         return s
@@ -206,6 +209,10 @@ class ConversationClock:
                     self.metrics.tick_lateness.observe(max(0.0, started - deadline))
                 next_deadline = deadline + self.tick_s
                 await self._tick(next_deadline)
+                if self._prefill_waiting() and loop.time() - self._prefill_progress > 2 * self.tick_s:
+                    # Overloaded: no spare time in two periods. Prefill anyway (one bounded piece)
+                    # rather than starve a new session; this makes the next tick a little late.
+                    await self._prefill_once(self.tick_s / 2, force=True)
                 if self.metrics:
                     self.metrics.tick_duration.observe(loop.time() - started)
                 self.ticks += 1
@@ -306,7 +313,10 @@ class ConversationClock:
 
     # ---- prefill ----------------------------------------------------------------------------
 
-    async def _prefill_once(self, time_left: float) -> bool:
+    def _prefill_waiting(self) -> bool:
+        return any(not s.live and not s.closed and not s.failed for s in self.sessions.values())
+
+    async def _prefill_once(self, time_left: float, force: bool = False) -> bool:
         """Run one piece of prefill work that fits in `time_left`; False if there is none.
 
         With no live session there is nothing to make late, so work runs in full chunks.
@@ -321,7 +331,7 @@ class ConversationClock:
         t0 = loop.time()
         try:
             if s.job is None:
-                if anyone_live and self._begin_s > time_left:
+                if anyone_live and self._begin_s > time_left and not force:
                     return False
                 s.job = await self.compute(self.engine.begin, s.slot, s.voice, s.persona, s.sampling)
                 dt = loop.time() - t0
@@ -332,7 +342,9 @@ class ConversationClock:
                 if anyone_live:
                     frames = 1 if self._prefill_frame_s == 0 else min(frames, int(time_left / self._prefill_frame_s))
                     if frames < 1:
-                        return False
+                        if not force:
+                            return False
+                        frames = 1
                 frames = min(frames, s.job.total_frames - s.prefilled)
                 done = await self.compute(s.job.run, frames)
                 s.prefilled += frames
@@ -342,6 +354,7 @@ class ConversationClock:
         except Exception as e:
             self.fail(s, e)
             return True
+        self._prefill_progress = loop.time()
         if done and not s.closed:
             self._go_live(s)
         return True

@@ -209,9 +209,11 @@ class TalkerService:
         await svc.start();  ... svc.address ...;  await svc.stop()
     """
 
-    def __init__(self, config: TalkerConfig):
+    def __init__(self, config: TalkerConfig, engine=None):
+        """`engine`: an already loaded TalkerEngine with config.slots slots to serve (tests reuse one);
+        by default it is loaded from config.checkpoint."""
         self.config = config
-        self.engine = None
+        self.engine = engine
         self.clock: ConversationClock | None = None
         self.server: StageServer | None = None
 
@@ -220,9 +222,13 @@ class TalkerService:
         eng = engine_api()
         paths = CheckpointPaths.open(cfg.checkpoint, require=("lm", "tokenizer"))
         t0 = time.perf_counter()
-        # Loading is heavy; keep the loop free (nothing else runs yet, but signals still work).
-        self.engine = await asyncio.to_thread(
-            eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype)
+        if self.engine is None:
+            # Loading is heavy; keep the loop free (nothing else runs yet, but signals still work).
+            self.engine = await asyncio.to_thread(
+                eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype,
+                context=cfg.context or None)
+        elif self.engine.num_slots != cfg.slots:
+            raise ValueError(f"the given engine has {self.engine.num_slots} slots, the config says {cfg.slots}")
         log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), output delay %d frames",
                  paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device, cfg.torch_dtype,
                  self.engine.output_delay_frames)
