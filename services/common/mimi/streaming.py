@@ -2,8 +2,9 @@
 
 Each slot is one independent stream (one session). All state lives in tensors preallocated
 at construction (fixed shapes, slot first, reset value zero), so a step is a fixed sequence
-of kernels that a GPU path can capture in a CUDA graph. A step runs every slot; `active`
-selects the slots whose state advances, the others keep their state bit for bit.
+of kernels: on CUDA, `cuda_graph=True` captures it once and replays it (one launch instead of
+a few hundred). A step runs every slot; `active` selects the slots whose state advances, the
+others keep their state bit for bit.
 """
 
 from __future__ import annotations
@@ -21,17 +22,25 @@ def _flatten(state) -> list[Tensor]:
 
 
 class _Streamer:
-    def __init__(self, model: MimiModel, slots: int):
+    def __init__(self, model: MimiModel, slots: int, cuda_graph: bool = False):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
+        if cuda_graph and model.device.type != "cuda":
+            raise ValueError(f"cuda_graph needs the model on a CUDA device, it is on {model.device}")
         self.model = model
         self.cfg = model.cfg
         self.slots = slots
         self.device = model.device
         self.state = self._init_state(model.device, model.dtype)
         self._tensors = _flatten(self.state)
+        self.cuda_graph = cuda_graph
+        self._graph = None
 
     def _init_state(self, device, dtype) -> list:
+        raise NotImplementedError
+
+    def _compute(self, x: Tensor, active: Tensor) -> Tensor:
+        """The step itself on validated device tensors: a fixed kernel sequence, no host syncs."""
         raise NotImplementedError
 
     def reset(self, slot: int) -> None:
@@ -52,6 +61,32 @@ class _Streamer:
         if not isinstance(active, Tensor) or active.dtype != torch.bool or tuple(active.shape) != (self.slots,):
             raise InvalidFrame(f"active must be a bool tensor of shape ({self.slots},), got {_describe(active)}")
         return active
+
+    def _run(self, x: Tensor, active: Tensor) -> Tensor:
+        if not self.cuda_graph:
+            return self._compute(x, active)
+        if self._graph is None:
+            self._capture(x, active)
+        self._static_in[0].copy_(x)
+        self._static_in[1].copy_(active)
+        self._graph.replay()
+        return self._static_out.clone()
+
+    def _capture(self, x: Tensor, active: Tensor) -> None:
+        self._static_in = (x.clone(), active.clone())
+        saved = [t.clone() for t in self._tensors]  # warm-up steps run for real: undo them after
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisations (cuBLAS handles, cached centroids) happen here
+                self._compute(*self._static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._static_out = self._compute(*self._static_in)
+        for t, v in zip(self._tensors, saved):
+            t.copy_(v)
+        self._graph = graph
 
 
 class StreamingEncoder(_Streamer):
@@ -79,11 +114,13 @@ class StreamingEncoder(_Streamer):
         if bad.any():
             slots = bad.nonzero().flatten().tolist()
             raise InvalidFrame(f"non-finite audio in slots {slots}", slots)
+        x = pcm.to(device=self.device, dtype=self.model.dtype)
+        return self._run(x, active.to(self.device))
+
+    def _compute(self, x: Tensor, active: Tensor) -> Tensor:
         m = self.model
-        active = active.to(self.device)
-        x = pcm.to(device=self.device, dtype=m.dtype).view(self.slots, 1, F)
         seanet_state, transformer_state, downsample_state = self.state
-        latent = m.encoder(x, seanet_state, active)
+        latent = m.encoder(x.view(self.slots, 1, -1), seanet_state, active)
         latent = m.encoder_transformer(latent, transformer_state, active)
         latent = m.downsample.conv(latent, downsample_state, active)
         return m.quantizer.encode(latent, self.cfg.num_codebooks)[:, :, 0]
@@ -115,10 +152,12 @@ class StreamingDecoder(_Streamer):
         if bad.any():
             slots = bad.nonzero().flatten().tolist()
             raise InvalidFrame(f"codes outside [0, {self.cfg.bins}) in slots {slots}", slots)
+        return self._run(codes.to(self.device, torch.long), active.to(self.device))
+
+    def _compute(self, codes: Tensor, active: Tensor) -> Tensor:
         m = self.model
-        active = active.to(self.device)
         # Inactive rows may hold anything; give the embedding lookup a valid index there.
-        codes = torch.where(active[:, None], codes.to(self.device, torch.long), 0)
+        codes = torch.where(active[:, None], codes, 0)
         upsample_state, transformer_state, seanet_state = self.state
         latent = m.quantizer.decode(codes[:, :, None], m.dtype)
         latent = m.upsample.convtr(latent, upsample_state, active)
