@@ -301,6 +301,8 @@ async def test_drain_stops_admission_then_ends_streams_at_deadline(toy):
     assert reply.active_streams == 1
     health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    alive = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="liveness"))
+    assert alive.status == health_pb2.HealthCheckResponse.SERVING  # draining is not dead
     cap = await stub.GetCapacity(common_pb2.CapacityRequest())
     assert cap.draining and cap.free_slots == 0
     late = stub.Encode()

@@ -15,8 +15,8 @@ StageRpcs: the GetCapacity and Drain RPCs, identical for every stage (a mixin
 for the generated servicer classes).
 
 StageServer: the process around them: a grpc.aio server, standard
-grpc.health.v1 health (SERVING; NOT_SERVING once draining) and server
-reflection, the Prometheus /metrics endpoint, and SIGTERM/SIGINT = drain (stop
+grpc.health.v1 health (SERVING; NOT_SERVING once draining, except the name
+"liveness", which stays SERVING until exit) and server reflection, the Prometheus /metrics endpoint, and SIGTERM/SIGINT = drain (stop
 admitting, let streams run until the deadline, end the rest with UNAVAILABLE,
 exit). It deliberately sets no `maximum_concurrent_rpcs`: a full service must
 still answer health checks and GetCapacity; admission is the slot pool's job.
@@ -43,6 +43,9 @@ from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool
 
 FRAME_MS = 80
+# A health service name that stays SERVING while draining (for a liveness probe: a draining
+# process is alive and must not be restarted; "" and the stage's own name go NOT_SERVING).
+LIVENESS = "liveness"
 MAX_STREAM_ID = 128
 
 
@@ -258,7 +261,7 @@ class StageServer:
             self._metrics_http = self.runtime.metrics.serve_http(self.metrics_port, self.host)
             self.metrics_port = self._metrics_http.server_port
         await self.server.start()
-        for name in ["", *self.service_names]:
+        for name in ["", *self.service_names, LIVENESS]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.runtime.on_drain(self._not_serving)
         self.runtime.log.info(
