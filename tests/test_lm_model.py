@@ -393,6 +393,10 @@ def test_config_roundtrip_and_validation():
         full.replace(delays=(0, 1))
     with pytest.raises(ValueError):
         full.replace(num_heads=3)
+    with pytest.raises(ValueError, match="delays"):
+        LMConfig.from_dict({**full.to_dict(), "delays": 5})
+    with pytest.raises(ValueError, match="norm_eps"):
+        full.replace(norm_eps=0.0)
 
 
 def test_loads_the_embedded_tiny_checkpoint(tiny_checkpoint):

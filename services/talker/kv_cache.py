@@ -112,7 +112,9 @@ class KVCache:
             mask = (self.ring_positions(positions[:, 0]) >= 0)[:, None, None, :]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         # Prefill: attend over [ring as it was] + [the T new positions], then write. Writing
-        # first could overwrite positions still inside the window of the chunk's early queries.
+        # first could overwrite positions still inside the window of the chunk's early queries
+        # (moshi's own multi-position streaming call does write first, so once its ring wraps it
+        # differs from stepping; this equals stepping, and moshi's T=1 and full-sequence forward).
         old_k, old_v = self.read(layer, slots, q.dtype)
         keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
         k_pos = torch.cat([self.ring_positions(positions[:, 0] - 1), positions], dim=1)  # [B, C + T]

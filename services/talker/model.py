@@ -48,7 +48,14 @@ class LMConfig:
     norm_eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "delays", tuple(int(d) for d in self.delays))
+        try:
+            object.__setattr__(self, "delays", tuple(int(d) for d in self.delays))
+        except (TypeError, ValueError):
+            raise ValueError(f"LMConfig.delays must be a sequence of ints, got {self.delays!r}") from None
+        for name in ("max_period", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"LMConfig.{name} must be a positive number, got {value!r}")
         for name in ("dim", "num_layers", "num_heads", "hidden", "context", "text_card", "card",
                      "n_q", "dep_q", "dep_dim", "dep_layers", "dep_heads", "dep_hidden"):
             value = getattr(self, name)
