@@ -43,7 +43,7 @@ from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.text import InvalidText, TextTokenizer
 from services.talker import prompt
 from services.talker.model import LMConfig, LMModel
-from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, sample
+from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, noise_key, sample
 from services.talker.voices import RING, VoicePrompt, load_voice
 
 __all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling", "InvalidVoice"]
@@ -267,8 +267,9 @@ class TalkerEngine:
         # 3. sample text, then the depformer's 8 agent codebooks
         text_params = self._params(self._text, self._text_k, self.text_card)
         audio_params = self._params(self._audio, self._audio_k, self.card)
-        text = sample(self.model.text_logits(h), text_params, self.seed, o, codebook=0)
-        audio = self.model.depformer(h, text, lambda cb, logits: sample(logits, audio_params, self.seed, o, 1 + cb),
+        key = noise_key(self.seed, o)  # the session's randomness for this frame: (seed, frame index)
+        text = sample(self.model.text_logits(h), text_params, key, codebook=0)
+        audio = self.model.depformer(h, text, lambda cb, logits: sample(logits, audio_params, key, 1 + cb),
                                      steps=AGENT_CODEBOOKS, dep_kv=self.dep_kv)
         new = torch.cat([text[:, None], audio], dim=1)  # [S, 9]: column o+1
         frame_of = (o + 1)[:, None] - self.delays[gen][None]

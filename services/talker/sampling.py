@@ -9,8 +9,8 @@ softmax(logits / T) restricted to the top k). So:
   - replaying a session with the same seed gives the same tokens,
   - there is no generator state to carry, reset, or capture (CUDA-graph friendly).
 
-    noise_frame = NoiseKey(seed=LongTensor[B], frame=LongTensor[B])
-    tokens = sample(logits[B, V], params, key, codebook=0)
+    key = noise_key(seed=LongTensor[B], frame=LongTensor[B])   # once per frame
+    tokens = sample(logits[B, V], params, key, codebook=0)      # text; audio codebooks 1..8
 """
 
 from __future__ import annotations
@@ -73,29 +73,32 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def uniform_noise(seed: torch.Tensor, frame: torch.Tensor, codebook: int, vocab: int) -> torch.Tensor:
-    """U(0, 1) float32 [B, vocab], a pure function of (seed[b], frame[b], codebook, index)."""
+def noise_key(seed: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
+    """The per-row key of one frame, LongTensor[B] in [0, 2**32), from seed [B] (63 bits) and frame [B]."""
     lo, hi = seed & _M32, (seed >> 32) & _M32
-    h = _mix32(_mix32(lo ^ 0x9E3779B9) ^ hi)
-    h = _mix32(h ^ (frame & _M32))
-    h = _mix32(h ^ (codebook * 0x85EBCA6B & _M32))  # [B]
-    idx = torch.arange(vocab, device=seed.device, dtype=torch.long)
-    h = _mix32(h[:, None] ^ idx[None, :])  # [B, vocab]
+    return _mix32(_mix32(_mix32(lo ^ 0x9E3779B9) ^ hi) ^ (frame & _M32))
+
+
+def uniform_noise(key: torch.Tensor, codebook: int, index: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) float32 shaped like index [B, n]: a pure function of (key[b], codebook, index[b, j])."""
+    h = key ^ ((codebook + 1) * 0x85EBCA6B & _M32)  # [B]
+    h = _mix32(h[:, None] ^ (index & _M32))  # [B, n]
     return ((h >> 8).to(torch.float32) + 0.5) / _U24  # 24 bits: exact in float32, never 0 or 1
 
 
-def sample(logits: torch.Tensor, p: RowParams, seed: torch.Tensor, frame: torch.Tensor, codebook: int) -> torch.Tensor:
-    """logits [B, V] -> tokens LongTensor[B]."""
+def sample(logits: torch.Tensor, p: RowParams, key: torch.Tensor, codebook: int) -> torch.Tensor:
+    """logits [B, V] -> tokens LongTensor[B]; key = noise_key(seed, frame) of each row.
+
+    Only the max_k best candidates of each row get noise (a token outside a row's top-k can never
+    win), and the noise is keyed by vocabulary index, not rank, so it does not depend on max_k."""
     logits = logits.float()
-    B, V = logits.shape
-    argmax = logits.argmax(dim=-1)
+    V = logits.shape[-1]
     k = min(max(p.max_k, 1), V)
-    # Exact top-k by rank (ties cannot let more than k through): keep the first top_k[b] of the sorted k.
-    top_idx = logits.topk(k, dim=-1).indices  # [B, k]
-    keep_sorted = torch.arange(k, device=logits.device)[None, :] < p.top_k[:, None]
-    keep = torch.zeros(B, V, dtype=torch.bool, device=logits.device).scatter_(1, top_idx, keep_sorted)
+    vals, idx = logits.topk(k, dim=-1)  # [B, k], best first
+    keep = torch.arange(k, device=logits.device)[None, :] < p.top_k[:, None]  # exactly top_k[b] candidates
     temp = torch.where(p.temperature > 0, p.temperature, torch.ones_like(p.temperature))
-    gumbel = -torch.log(-torch.log(uniform_noise(seed, frame, codebook, V)))
-    scores = torch.where(keep, logits / temp[:, None] + gumbel, torch.full_like(logits, -math.inf))
-    drawn = scores.argmax(dim=-1)
-    return torch.where(p.greedy | (p.temperature <= 0), argmax, drawn)
+    gumbel = -torch.log(-torch.log(uniform_noise(key, codebook, idx)))
+    scores = torch.where(keep, vals / temp[:, None] + gumbel, torch.full_like(vals, -math.inf))
+    drawn = idx.gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+    # greedy rows: torch's argmax over the raw logits, as the reference does (same tie-breaking)
+    return torch.where(p.greedy | (p.temperature <= 0), logits.argmax(dim=-1), drawn)
