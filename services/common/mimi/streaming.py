@@ -3,7 +3,8 @@
 Each slot is one independent stream (one session). All state lives in tensors preallocated
 at construction (fixed shapes, slot first, reset value zero), so a step is a fixed sequence
 of kernels: on CUDA, `cuda_graph=True` captures it once and replays it (one launch instead of
-a few hundred). A step runs every slot; `active` selects the slots whose state advances, the
+a few hundred; the captured step reads the weights and codebook centroids as they were at
+capture, so load weights before the first step). A step runs every slot; `active` selects the slots whose state advances, the
 others keep their state bit for bit.
 """
 
