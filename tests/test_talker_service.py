@@ -439,21 +439,33 @@ async def test_drain_refuses_new_sessions_and_ends_live_ones_at_the_deadline(tin
 
 
 def test_subprocess_serves_and_drains_on_sigterm(tiny_checkpoint):
+    """python -m services.talker as a real process: serve, export metrics, and on SIGTERM refuse new
+    sessions while the live one runs to its end, then exit 0."""
     from tools.procs import ServiceProcess
 
     args = ["--checkpoint", str(tiny_checkpoint), "--slots", "2", "--tick-ms", "40", "--threads", "1"]
     with ServiceProcess("services.talker", args) as proc:
         async def talk():
             async with grpc.aio.insecure_channel(proc.address) as ch:
-                sess = Session(talker_pb2_grpc.TalkerStub(ch), "sub")
-                ready = await sess.open()
-                await sess.send_paced(user_frames(8, 16), 0.04)
-                outs = await sess.finish()
-                return ready, outs
+                stub = talker_pb2_grpc.TalkerStub(ch)
+                first = Session(stub, "sub")
+                ready = await first.open()
+                await first.send_paced(user_frames(8, 16), 0.04)
+                outs = await first.finish()
+                text = await asyncio.to_thread(lambda: urllib.request.urlopen(proc.metrics_url, timeout=5).read().decode())
+                # SIGTERM with a session live: it keeps being served, a new one is refused.
+                live = Session(stub, "live")
+                await live.open()
+                proc.terminate()
+                await live.send_paced(user_frames(4, 17), 0.04)
+                await live.wait_outputs(4 - ready.output_delay_frames)
+                code, _ = await open_error(stub, open_msg("new"))
+                await live.finish()
+                return ready, outs, text, code
 
-        ready, outs = asyncio.run(talk())
+        ready, outs, text, refused = asyncio.run(talk())
         assert len(outs) == 8 - ready.output_delay_frames
-        text = urllib.request.urlopen(proc.metrics_url, timeout=5).read().decode()
         assert re.search(r"^duplex_talker_frames_advanced_total 8\.0$", text, re.M), text
         assert "duplex_talker_tick_lateness_seconds_bucket" in text
-        assert proc.stop(timeout=20) == 0
+        assert refused == grpc.StatusCode.UNAVAILABLE
+        assert proc.proc.wait(timeout=20) == 0  # exits by itself once the live session ended
