@@ -227,7 +227,7 @@ async def test_open_ready_then_paced_outputs(tiny_checkpoint):
             assert len(o.agent_codes) == 8 and all(0 <= c < 2048 for c in o.agent_codes)
             assert o.text_piece == s.svc.engine.text_piece(o.text_token)
         assert s.metric("duplex_talker_frames_advanced_total") == n
-        assert s.metric("duplex_talker_tick_seconds_count") > 0
+        assert 1 <= s.metric("duplex_talker_tick_seconds_count") <= n  # ticks that stepped
         await s.wait_free()
 
 

@@ -1,6 +1,6 @@
 """The Talker's own Prometheus metrics, next to the common stage metrics in the same registry.
 
-    duplex_talker_tick_seconds            histogram: one clock tick (main step + catch-up steps)
+    duplex_talker_tick_seconds            histogram: one clock tick that stepped (main step + catch-up steps)
     duplex_talker_tick_lateness_seconds   histogram: how late a tick started after its deadline
     duplex_talker_prefill_seconds         histogram: open -> prompt in the slot (wall time)
     duplex_talker_frames_advanced_total   counter: session frames stepped (one per input frame)
@@ -30,7 +30,7 @@ class TalkerMetrics:
     def __init__(self, stage: StageMetrics):
         self.stage = stage
         r = stage.registry
-        self.tick_duration = Histogram("duplex_talker_tick_seconds", "Wall time of one clock tick (main + catch-up steps)",
+        self.tick_duration = Histogram("duplex_talker_tick_seconds", "Wall time of one clock tick that stepped (main + catch-up steps)",
                                        buckets=TICK_BUCKETS, registry=r)
         self.tick_lateness = Histogram("duplex_talker_tick_lateness_seconds", "How late a tick started after its deadline",
                                        buckets=LATENESS_BUCKETS, registry=r)

@@ -84,7 +84,6 @@ class Session:
     input_done: bool = False  # the client half-closed: end once the queue is drained
     stepping: bool = False  # a frame of it is in the step running now (its output is still to come)
     failed: bool = False  # an error went to its outbox: no more engine work
-    prefilled: int = 0  # prompt frames run so far
     out_seq: int = 0
     prefill_started: float = 0.0
 
@@ -107,6 +106,8 @@ class ConversationClock:
         self._prefill_frame_s = 0.0
         self._begin_s = 0.0
         self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
+        self._overruns = 0
+        self._overrun_logged = float("-inf")
         self.ticks = 0
         self.steps = 0  # batched engine steps, main + catch-up
 
@@ -208,20 +209,23 @@ class ConversationClock:
                 if self.metrics:
                     self.metrics.tick_lateness.observe(max(0.0, started - deadline))
                 next_deadline = deadline + self.tick_s
-                await self._tick(next_deadline)
+                stepped = await self._tick(next_deadline)
                 if self._prefill_waiting() and loop.time() - self._prefill_progress > 2 * self.tick_s:
                     # Overloaded: no spare time in two periods. Prefill anyway (one bounded piece)
                     # rather than starve a new session; this makes the next tick a little late.
                     await self._prefill_once(self.tick_s / 2, force=True)
-                if self.metrics:
+                if self.metrics and stepped:
                     self.metrics.tick_duration.observe(loop.time() - started)
                 self.ticks += 1
                 deadline = next_deadline
                 if loop.time() > deadline + self.tick_s:
                     # Overloaded (a step longer than a period): restart the grid from now rather than
                     # firing a burst of late ticks; queued input is caught up by the backlog logic.
-                    missed = int((loop.time() - deadline) / self.tick_s)
-                    log.warning("clock overrun: %d tick(s) missed (step %.1f ms)", missed, self._step_s * 1e3)
+                    self._overruns += 1
+                    if loop.time() - self._overrun_logged > 10.0:  # a readable log, not one line per tick
+                        log.warning("clock overrun: %d late tick(s) since the last report; a step takes %.1f ms, "
+                                    "the period is %.1f ms", self._overruns, self._step_s * 1e3, self.tick_s * 1e3)
+                        self._overruns, self._overrun_logged = 0, loop.time()
                     deadline = loop.time()
             except asyncio.CancelledError:
                 raise
@@ -245,23 +249,27 @@ class ConversationClock:
             except TimeoutError:
                 return
 
-    async def _tick(self, period_end: float) -> None:
+    async def _tick(self, period_end: float) -> int:
+        """The main step and the catch-up steps of one period; returns the number of steps run."""
         loop = asyncio.get_running_loop()
         live = [s for s in self.sessions.values() if s.live]
         if self.metrics:
             self.metrics.frames_skipped.inc(sum(1 for s in live if not s.inputs))
-        await self._step([s for s in live if s.inputs], catch_up=False)
+        batch = [s for s in live if s.inputs]
+        if not batch:
+            return 0
+        await self._step(batch, catch_up=False)
+        steps = 1
         # Catch-up: sessions that still have queued frames (a late client, a burst) get more
         # batched steps while the measured step time fits in the period.
         while True:
             behind = [s for s in self.sessions.values() if s.live and s.inputs]
             if not behind or loop.time() + self._step_s > period_end:
-                break
+                return steps
             await self._step(behind, catch_up=True)
+            steps += 1
 
     async def _step(self, batch: list[Session], catch_up: bool) -> None:
-        if not batch:
-            return
         n = self.engine.num_slots
         codes = torch.zeros(n, 8, dtype=torch.long)
         active = torch.zeros(n, dtype=torch.bool)
@@ -345,9 +353,7 @@ class ConversationClock:
                         if not force:
                             return False
                         frames = 1
-                frames = min(frames, s.job.total_frames - s.prefilled)
-                done = await self.compute(s.job.run, frames)
-                s.prefilled += frames
+                done = await self.compute(s.job.run, frames)  # runs at most `frames`, fewer at the end
                 per = (loop.time() - t0) / max(frames, 1)
                 # Decay slowly downwards, jump upwards: a chunk that overshoots once is not repeated.
                 self._prefill_frame_s = per if self._prefill_frame_s == 0 else max(per, 0.7 * self._prefill_frame_s + 0.3 * per)
