@@ -258,7 +258,7 @@ def test_session_output_does_not_depend_on_other_sessions(paths, sampling):
 
 
 def test_sessions_run_far_past_the_window(paths):
-    eng = engine(paths, slots=2, context=24)  # the prompt (23 frames) just fits
+    eng = engine(paths, slots=2, context=24)
     assert eng.context == 24
     prefill(eng.begin(0, "NATF2.pt", "Hi.", SamplingParams(seed=3)), 5)
     eng.begin(1, None, None, GREEDY)

@@ -142,7 +142,10 @@ class PrefillJob:
 
 class TalkerEngine:
     def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
-                 context: int | None = None, kv_dtype: torch.dtype | None = None):
+                 context: int | None = None, kv_dtype: torch.dtype | None = None,
+                 voices: dict[str, VoicePrompt] | None = None):
+        """`voices` adds in-memory voices by name ("NATF2.pt"), e.g. from
+        tools.make_checkpoint.build_random_checkpoint on a GPU; others come from paths.voices_dir."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if model.dep_steps < AGENT_CODEBOOKS:
@@ -176,7 +179,7 @@ class TalkerEngine:
         self._audio_k = [d.audio_top_k] * slots
         self._live = [False] * slots
         self._jobs: list[PrefillJob | None] = [None] * slots
-        self._voice_files: dict[str, VoicePrompt] = {}
+        self._voice_files: dict[str, VoicePrompt] = dict(voices or {})
         self._voice_kv: dict[str, _VoicePrefix] = {}
         self._all_slots = torch.arange(slots, device=dev)
 
@@ -345,12 +348,14 @@ class TalkerEngine:
     # ---- voices and persona --------------------------------------------------------------------
 
     def _voice_prefix(self, name: str) -> _VoicePrefix:
-        if self.paths is None:
-            raise InvalidVoice("this engine has no checkpoint directory, so no bundled voices")
-        path = self.paths.resolve_voice(name)  # InvalidVoice for anything but a bundled basename
+        if not isinstance(name, str):
+            raise InvalidVoice(f"voice must be a bundled basename string, got {type(name).__name__}")
+        if name not in self._voice_files:
+            if self.paths is None:
+                raise InvalidVoice(f"voice {name!r} is not available (no checkpoint directory)")
+            path = self.paths.resolve_voice(name)  # InvalidVoice for anything but a bundled basename
+            self._voice_files[name] = load_voice(path, self.cfg.dim, self.cfg.delays, self.text_card, self.card)
         if name not in self._voice_kv:
-            if name not in self._voice_files:
-                self._voice_files[name] = load_voice(path, self.cfg.dim, self.cfg.delays, self.text_card, self.card)
             self._voice_kv[name] = _VoicePrefix(self, self._voice_files[name])
         return self._voice_kv[name]
 
