@@ -22,11 +22,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, free_port
+from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, _die_with_parent, free_port
 
 
 @dataclass
@@ -76,7 +75,8 @@ class GatewayProcess:
             return None
 
     def start(self, timeout: float = 60.0) -> "GatewayProcess":
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -125,23 +125,25 @@ class Stack:
                               for stage, extra in (("encoder", self.codec_args), ("talker", self.talker_args), ("decoder", self.codec_args))})
             self.cell_procs = [CellProcs(**p) for p in procs]
             self.progress(f"starting {3 * self.cells} stage processes ...")
-            with ThreadPoolExecutor(3 * self.cells) as pool:
-                futures = {pool.submit(self._start_one, i, stage, proc): proc for i, p in enumerate(procs) for stage, proc in p.items()}
-                for f in futures:
-                    f.result()
+            # Spawned from this thread (their die-with-parent signal is tied to the spawning
+            # thread), all at once; then waited for one by one.
+            t0 = time.monotonic()
+            for p in procs:
+                for proc in p.values():
+                    proc.spawn()
+            for i, p in enumerate(procs):
+                for stage, proc in p.items():
+                    proc.wait_ready()
+                    self.progress(f"cell {i}: {stage} serving on {proc.address} ({time.monotonic() - t0:.1f}s)")
             self.progress("starting gateway ...")
             spec = ";".join(c.spec for c in self.cell_procs)
-            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, args=self.gateway_args, env=self.gateway_env).start()
+            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, args=self.gateway_args, env=self.gateway_env)
+            self.gateway.start()
             self.progress(f"gateway healthy on {self.gateway.http_url}")
         except BaseException:
             self.stop()
             raise
         return self
-
-    def _start_one(self, cell: int, stage: str, proc: ServiceProcess) -> None:
-        t0 = time.monotonic()
-        proc.start()
-        self.progress(f"cell {cell}: {stage} serving on {proc.address} ({time.monotonic() - t0:.1f}s)")
 
     def stop(self) -> None:
         if self.gateway is not None:

@@ -24,4 +24,5 @@ async def main(config: GatewayConfig) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)  # one line per HTTP probe is noise
     asyncio.run(main(GatewayConfig.from_args()))

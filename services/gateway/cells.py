@@ -49,6 +49,7 @@ class Cell:
     # picking a cell whose polled free count is one.
     admitted_since_poll: int = 0
     last_poll_ok: float = 0.0
+    last_error: dict = field(default_factory=dict)  # stage -> why its last poll failed (logged on change)
 
     @property
     def name(self) -> str:
@@ -126,8 +127,12 @@ class CellPool:
     # ---- admission view -------------------------------------------------
 
     def candidates(self) -> list[Cell]:
-        """Cells that may take a new session now, most free slots first."""
-        ok = [c for c in self.cells.values() if c.free_slots > 0]
+        """Serving, non-draining cells, most free slots first.
+
+        Cells whose last poll showed no free slot stay in the list (last): a slot may have
+        been freed since, and the stage's own RESOURCE_EXHAUSTED is the authoritative answer.
+        """
+        ok = [c for c in self.cells.values() if c.serving and not c.draining]
         return sorted(ok, key=lambda c: (-c.free_slots, c.name))
 
     def healthy(self) -> bool:
@@ -151,11 +156,13 @@ class CellPool:
             try:
                 cap = await cell.stubs[stage].GetCapacity(common_pb2.CapacityRequest(), timeout=self.config.poll_timeout_s)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
-                if cell.capacity[stage] is not None:
-                    code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else "TIMEOUT"
-                    log.warning("cell %s: %s stopped answering GetCapacity (%s)", cell.name, stage, code)
+                why = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else "timeout"
+                if cell.capacity[stage] is not None or cell.last_error.get(stage) != why:
+                    log.warning("cell %s: %s does not answer GetCapacity: %s", cell.name, stage, why)
                 cell.capacity[stage] = None
+                cell.last_error[stage] = why
                 return
+            cell.last_error.pop(stage, None)
             if cell.capacity[stage] is None:
                 log.info("cell %s: %s serving (%d/%d free)", cell.name, stage, cap.free_slots, cap.total_slots)
             cell.capacity[stage] = cap

@@ -1,0 +1,333 @@
+"""The gateway end to end: real encoder, talker and decoder processes, the real gateway process,
+real WebSocket clients (raw, the official `openai` client, and a native /api/chat client with sphn).
+
+One stack (capacity two) is shared by the module; every test leaves it with no session open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import sphn
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tools.run_stack import GatewayProcess, Stack
+
+SR, FRAME = 24_000, 1920
+# This machine is shared and slow: generous bounds for "a stage is stalled" and for opening.
+GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
+
+
+def tone(frames: int, f0: float = 220.0, seed: int = 0) -> np.ndarray:
+    """Non-silent test speech stand-in: a gliding tone plus a little noise."""
+    t = np.arange(frames * FRAME) / SR
+    rng = np.random.default_rng(seed)
+    return (0.3 * np.sin(2 * np.pi * f0 * t * (1 + 0.5 * t)) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def pcm16_b64(x: np.ndarray) -> str:
+    return base64.b64encode((np.clip(x, -1, 1) * 32767).round().astype("<i2").tobytes()).decode()
+
+
+class RT:
+    """A raw Realtime client that records every event and checks the envelope of each."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.events: list[dict] = []
+        self.last_seq = 0
+
+    @classmethod
+    async def connect(cls, url: str, headers: dict | None = None) -> "RT":
+        return cls(await connect(url, additional_headers=headers or {}, max_size=None))
+
+    async def send(self, event: dict) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def recv(self, timeout: float = 60.0) -> dict:
+        ev = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        assert isinstance(ev.get("event_id"), str) and ev["event_id"]
+        assert ev["server_event_seq"] > self.last_seq, "server_event_seq must increase"
+        self.last_seq = ev["server_event_seq"]
+        self.events.append(ev)
+        return ev
+
+    async def until(self, type_: str, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            ev = await self.recv(max(0.01, deadline - time.monotonic()))
+            if ev["type"] == type_:
+                return ev
+            assert ev["type"] != "error", ev
+
+    async def open(self, **session) -> dict:
+        await self.send({"type": "session.update", "session": {"type": "realtime", **session}})
+        created = await self.recv(120)
+        return created
+
+    def of(self, type_: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == type_]
+
+    def audio(self) -> np.ndarray:
+        chunks = [np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in self.of("response.output_audio.delta")]
+        return (np.concatenate(chunks).astype(np.float32) / 32768) if chunks else np.zeros(0, np.float32)
+
+    async def close(self) -> tuple[dict, dict]:
+        await self.send({"type": "session.close"})
+        done = await self.until("response.done", 120)
+        closed = await self.until("session.closed", 60)
+        await self.ws.close()
+        return done, closed
+
+
+async def paced(rt: RT, x: np.ndarray, period_s: float = FRAME / SR) -> None:
+    start = time.monotonic()
+    for i, off in enumerate(range(0, x.size, FRAME)):
+        await rt.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[off : off + FRAME])})
+        await asyncio.sleep(max(0.0, start + (i + 1) * period_s - time.monotonic()))
+
+
+async def drain(rt: RT, seconds: float) -> None:
+    """Keep reading (recording) events for a while."""
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            await rt.recv(deadline - time.monotonic())
+    except asyncio.TimeoutError:
+        pass
+
+
+def check_output(rt: RT, min_frames: int) -> None:
+    audio_ev, text_ev = rt.of("response.output_audio.delta"), rt.of("response.output_audio_transcript.delta")
+    assert len(audio_ev) >= min_frames, f"{len(audio_ev)} audio deltas, expected >= {min_frames}"
+    assert abs(len(audio_ev) - len(text_ev)) <= 1  # paired (the last pair may be mid-flight)
+    assert not rt.of("response.audio.delta"), "legacy names must not be sent unasked"
+    for e in audio_ev:
+        assert e["sample_rate_hz"] == SR and len(base64.b64decode(e["delta"])) == FRAME * 2
+    x = rt.audio()
+    assert np.isfinite(x).all() and float(np.sqrt(np.mean(x**2))) > 1e-3, "output audio is silent"
+    assert any(e["delta"] for e in text_ev), "no text piece at all"
+    assert len({e["response_id"] for e in audio_ev + text_ev}) == 1
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    with Stack(tiny_checkpoint, sessions=2, gateway_args=GATEWAY_ARGS) as s:
+        yield s
+
+
+def http_get(url: str) -> tuple[int, bytes, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read(), r.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), e.headers.get("Content-Type", "")
+
+
+def metric(stack, name: str) -> float:
+    _, body, _ = http_get(stack.gateway.http_url + "/metrics")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(stack):
+    url = stack.gateway.ws_url
+    a, b = await RT.connect(url), await RT.connect(url)
+    ca, cb = await a.open(instructions="You are Alice.", voice="NATF2.pt"), await b.open(instructions="You are Bob.")
+    for created, persona in ((ca, "You are Alice."), (cb, "You are Bob.")):
+        assert created["type"] == "session.created", created
+        caps = created["session"]["capabilities"]
+        assert caps["implementation_level"] == "model_native_duplex" and caps["chunk_period_ms"] == 80
+        assert caps["supports_multi_session"] and caps["supports_multi_session_same_replica"] and caps["max_sessions"] == 2
+        assert created["session"]["instructions"] == persona
+    assert ca["session"]["voice"] == "NATF2.pt"
+    await a.until("session.updated"), await b.until("session.updated")
+
+    # Capacity two: a third session is refused before any session.created, and nothing is opened.
+    c = await RT.connect(url)
+    await c.send({"type": "session.update", "session": {"type": "realtime"}})
+    err = await c.recv(60)
+    assert err["type"] == "error" and err["error"]["type"] == "rate_limit_error" and err["error"]["code"] == "resource_exhausted"
+    with pytest.raises(ConnectionClosed):
+        while True:
+            assert (await c.recv(30))["type"] != "session.created"
+
+    n = 12
+    await asyncio.gather(paced(a, tone(n, 220)), paced(b, tone(n, 330, seed=1)), drain(a, 0), drain(b, 0))
+    await asyncio.gather(drain(a, 3), drain(b, 3))
+    done, closed = await a.close()
+    assert done["response"]["status"] == "completed" and closed["cleanup_confirmed"] is True
+    check_output(a, min_frames=n // 2)
+    ids_a = {e["response_id"] for e in a.of("response.output_audio.delta")}
+    b_frames_before = len(b.of("response.output_audio.delta"))
+
+    # The freed slot takes a replacement with another persona and voice; b keeps going meanwhile.
+    d = await RT.connect(url)
+    deadline = time.monotonic() + 10
+    while True:
+        created = await d.open(instructions="You are Dora.", voice="NATM1.pt")
+        if created["type"] == "session.created" or time.monotonic() > deadline:
+            break
+        d = await RT.connect(url)  # the stage may still be confirming a's release
+    assert created["type"] == "session.created", created
+    assert created["session"]["instructions"] == "You are Dora." and created["session"]["voice"] == "NATM1.pt"
+    await asyncio.gather(paced(d, tone(n, 440, seed=2)), paced(b, tone(n, 330, seed=3)))
+    await asyncio.gather(drain(d, 3), drain(b, 3))
+    check_output(d, min_frames=n // 2)
+    assert len(b.of("response.output_audio.delta")) > b_frames_before + n // 2, "b stalled while a closed and d opened"
+    ids_d = {e["response_id"] for e in d.of("response.output_audio.delta")}
+    assert ids_a.isdisjoint(ids_d) and len(ids_d) == 1
+    await d.close()
+    await b.close()
+    check_output(b, min_frames=n)
+
+
+async def test_malformed_input_gets_one_typed_error_and_the_next_append_works(stack):
+    rt = await RT.connect(stack.gateway.ws_url)
+    assert (await rt.open(input_audio_format="pcm_f32le"))["type"] == "session.created"
+    await rt.until("session.updated")
+    good = tone(1)
+    f32 = lambda x: base64.b64encode(x.astype("<f4").tobytes()).decode()  # noqa: E731
+    bad = [
+        ("not json", "invalid_json"),
+        (json.dumps([1, 2]), "bad_event"),
+        (json.dumps({"type": "no.such.event"}), "unknown_event"),
+        (json.dumps({"type": "input_audio_buffer.append"}), "bad_audio"),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": "!!notbase64"}), "bad_audio"),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00" * 7).decode()}), "bad_audio"),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": f32(np.array([0.1, np.nan] * 960, np.float32))}), "bad_audio"),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": f32(good), "sample_rate_hz": 16000}), "unsupported_audio_format"),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": f32(good), "format": "pcm16"}), "unsupported_audio_format"),
+        (json.dumps({"type": "session.update", "session": {"voice": "../../etc/x.pt"}}), "invalid_voice"),
+        (json.dumps({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}}), "unsupported_feature"),
+        (json.dumps({"type": "session.resume"}), "unsupported_feature"),
+        (json.dumps({"type": "barge_in"}), "unsupported_feature"),
+        (json.dumps({"type": "input_audio_buffer.commit"}), "unsupported_feature"),
+    ]
+    for i, (message, code) in enumerate(bad):
+        await rt.ws.send(message.replace('"type": "input_audio_buffer.append"', f'"type": "input_audio_buffer.append", "event_id": "c{i}"'))
+        ev = await rt.recv(30)
+        assert ev["type"] == "error" and ev["error"]["code"] == code, (message[:80], ev)
+        assert ev["error"]["type"] == "invalid_request_error"
+        if "input_audio_buffer.append" in message:
+            assert ev["error"]["event_id"] == f"c{i}"  # the error names the client event
+        # The next good append works: it is accepted silently and output keeps coming.
+        await rt.send({"type": "input_audio_buffer.append", "audio": f32(good)})
+    # Heartbeat is answered; a half packet stays pending (no frame) until more arrives.
+    await rt.send({"type": "session.heartbeat", "event_id": "hb1"})
+    ack = await rt.until("session.heartbeat_ack", 30)
+    assert ack["client_event_id"] == "hb1"
+    await drain(rt, 4)
+    errors = rt.of("error")
+    assert len(errors) == len(bad), errors  # exactly one error per bad message, none for the good ones
+    done, closed = await rt.close()
+    # 1 + len(bad) good frames went in; output never outnumbers input.
+    out = len(rt.of("response.output_audio.delta"))
+    assert 1 <= out <= len(bad) + 1
+    assert closed["cleanup_confirmed"] is True
+
+
+async def test_openai_client_speaks_ga_events_with_bearer_key(stack):
+    openai = pytest.importorskip("openai")
+    # A second gateway on the same cells, with an operator-configured key.
+    spec = stack.cell_procs[0].spec
+    gw = GatewayProcess(spec, args=GATEWAY_ARGS + ["--api-key-env", "TEST_GW_KEY"], env={"TEST_GW_KEY": "k-123"}).start()
+    try:
+        # Wrong key: refused at the HTTP upgrade with 401.
+        with pytest.raises(InvalidStatus) as e:
+            await connect(gw.ws_url, additional_headers={"Authorization": "Bearer wrong"})
+        assert e.value.response.status_code == 401
+        client = openai.AsyncOpenAI(base_url=gw.http_url + "/v1", api_key="k-123")
+        async with client.realtime.connect(model="personaplex", extra_query={"duplex": "1"}) as conn:
+            await conn.session.update(session={"type": "realtime", "instructions": "You are a helpful pirate.",
+                                               "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+            x = tone(8)
+            audio_chunks, texts, types = [], [], []
+
+            async def send():
+                for off in range(0, x.size, FRAME):
+                    await conn.input_audio_buffer.append(audio=pcm16_b64(x[off : off + FRAME]))
+                    await asyncio.sleep(0.08)
+
+            sender = asyncio.create_task(send())
+            async for ev in conn:
+                types.append(ev.type)
+                if ev.type == "response.output_audio.delta":
+                    audio_chunks.append(np.frombuffer(base64.b64decode(ev.delta), "<i2"))
+                elif ev.type == "response.output_audio_transcript.delta":
+                    texts.append(ev.delta)
+                elif ev.type == "error":
+                    pytest.fail(f"error event: {ev}")
+                if len(audio_chunks) >= 4 and sender.done():
+                    break
+            await sender
+            await conn.send({"type": "session.close"})
+            async for ev in conn:
+                types.append(ev.type)
+                if ev.type == "session.closed":
+                    break
+        assert types[0] == "session.created" and "response.created" in types and "response.done" in types
+        y = np.concatenate(audio_chunks).astype(np.float32) / 32768
+        assert np.isfinite(y).all() and np.sqrt(np.mean(y**2)) > 1e-3 and len(texts) >= 4
+    finally:
+        gw.stop()
+
+
+async def test_native_api_chat_with_ogg_opus(stack):
+    url = f"ws://{stack.gateway.host}:{stack.gateway.port}/api/chat?voice_prompt=NATF2.pt&text_prompt=You%20are%20kind."
+    async with connect(url, max_size=None) as ws:
+        first = await asyncio.wait_for(ws.recv(), 120)
+        assert first == b"\x00"  # handshake once the prefill is done
+        writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
+        x = tone(10)
+        pcm_out, text = [], []
+
+        async def send():
+            for off in range(0, x.size, FRAME):
+                await ws.send(b"\x01" + writer.append_pcm(x[off : off + FRAME]))
+                await asyncio.sleep(0.08)
+
+        sender = asyncio.create_task(send())
+        deadline = time.monotonic() + 60
+        while sum(p.size for p in pcm_out) < 4 * FRAME and time.monotonic() < deadline:
+            msg = await asyncio.wait_for(ws.recv(), 60)
+            assert isinstance(msg, bytes) and msg[0] in (1, 2), msg[:40]
+            if msg[0] == 1:
+                pcm_out.append(reader.append_bytes(msg[1:]))
+            else:
+                text.append(msg[1:].decode())
+        await sender
+        y = np.concatenate(pcm_out)
+        assert y.size >= 4 * FRAME and np.isfinite(y).all() and np.sqrt(np.mean(y**2)) > 1e-3
+        assert text and all(t for t in text)
+        # A bad voice is refused with a typed error before any handshake.
+    async with connect(url.replace("NATF2.pt", "../x.pt")) as ws:
+        msg = await asyncio.wait_for(ws.recv(), 30)
+        assert msg[0] == 5 and b"invalid_voice" in msg
+
+
+async def test_health_metrics_static_and_routing(stack):
+    base = stack.gateway.http_url
+    status, body, ctype = http_get(base + "/health")
+    assert status == 200 and json.loads(body)["serving_cells"] == 1 and ctype == "application/json"
+    status, body, ctype = http_get(base + "/metrics")
+    assert status == 200 and b"gateway_frame_latency_seconds_bucket" in body and ctype.startswith("text/plain")
+    assert http_get(base + "/nope")[0] == 404
+    assert http_get(base + "/../pyproject.toml")[0] == 404
+    assert http_get(base + "/v1/realtime")[0] == 426  # a WebSocket endpoint, not a page
+    status, body, ctype = http_get(base + "/")
+    if status == 200:  # the browser page (another engineer's files) is served as HTML
+        assert ctype.startswith("text/html")
+    with pytest.raises(InvalidStatus) as e:
+        await connect(stack.gateway.ws_url.replace("duplex=1", "duplex=0"))
+    assert e.value.response.status_code == 400
