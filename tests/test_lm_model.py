@@ -12,6 +12,8 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # moshi would torch.compile its 
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from services.common.checkpoint import CheckpointError
@@ -178,6 +180,8 @@ def test_ring_wraps_like_moshi_sliding_window():
         ref_full, _ = ref.forward_text(tokens.transpose(1, 2))  # from scratch: whole sequence, banded mask
     assert rel_err(h, ref_stream) < 1e-5
     assert rel_err(h, ref_full) < 1e-5
+    prefilled = ours.temporal(ours.embed(tokens), ours.new_kv_cache(B), torch.arange(B))  # one T=27 chunk
+    assert rel_err(prefilled, ref_full) < 1e-5
 
 
 def test_window_is_exactly_the_last_context_positions():
@@ -224,6 +228,37 @@ def test_parallel_prefill_equals_single_steps():
     torch.testing.assert_close(kv_par.k, kv_step.k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv_par.v, kv_step.v, rtol=1e-5, atol=1e-5)
     assert not kv_par.k[:, 0].any()  # the other slot was never touched
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(context=st.sampled_from([1, 3, 8]), chunks=st.lists(st.integers(1, 10), min_size=1, max_size=3),
+       start=st.integers(0, 9))
+def test_any_chunking_equals_single_steps(context, chunks, start):
+    """Property: after `start` single steps, any split of the next frames into chunks gives the
+    same outputs and ring as stepping them one at a time."""
+    cfg = TINY.replace(context=context, num_layers=1)
+    model = _small_model(cfg)
+    tokens = random_tokens(cfg, 1, start + sum(chunks), seed=context * 100 + start)
+    kv_step, kv_par = model.new_kv_cache(1), model.new_kv_cache(1)
+    h_step = step_all(model, kv_step, tokens, kv_step.all_slots)
+    if start:
+        step_all(model, kv_par, tokens[:, :start], kv_par.all_slots)
+    outs, t = [], start
+    for n in chunks:
+        outs.append(model.temporal(model.embed(tokens[:, t : t + n]), kv_par, torch.tensor([0])))
+        t += n
+    assert rel_err(torch.cat(outs, 1), h_step[:, start:]) < 1e-5
+    assert torch.equal(kv_par.length, kv_step.length)
+    torch.testing.assert_close(kv_par.k, kv_step.k, rtol=1e-5, atol=1e-5)
+
+
+_models: dict = {}
+
+
+def _small_model(cfg: LMConfig) -> LMModel:
+    if cfg not in _models:
+        _models[cfg] = LMModel(cfg).init_random_(17)
+    return _models[cfg]
 
 
 def test_slots_are_independent():
