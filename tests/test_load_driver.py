@@ -11,13 +11,12 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -372,7 +371,7 @@ async def test_pacing_after_a_client_stall_never_bursts(tmp_path):
         time.sleep(0.35)  # blocks the whole loop, like an overloaded client
 
     with fake_server() as server:
-        config = DriverConfig(**{**config.__dict__, "url": server.url})
+        config = replace(config, url=server.url)
         stall_task = asyncio.create_task(stall())
         result = await run_load(config, pcm)
         await stall_task
