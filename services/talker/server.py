@@ -11,6 +11,11 @@ One Talk stream = one session:
                                             ◀─ output(seq, input_seq, text, 8 agent codes) per step
     half-close                             ─▶ remaining queued frames are stepped, then OK
 
+Frames may be sent before `ready`; they queue and count against the backlog bound
+(config.max_backlog_s). More queued input than that ends the stream with
+RESOURCE_EXHAUSTED ("backlog"), as does a client that leaves that many outputs unread:
+the talker buffers a bounded amount per session, never an unbounded one.
+
 Two tasks per stream: a reader that validates frames and queues them on the clock,
 and this handler, which writes what the clock puts in the session's outbox. The
 reader's errors travel through the same outbox, so a stream ends exactly once, with
