@@ -19,9 +19,17 @@ from safetensors.torch import save_file
 from services.common.checkpoint import CheckpointError
 from services.talker.model import LMConfig, LMModel
 
-moshi_lm = pytest.importorskip("moshi.models.lm", reason="the reference moshi==0.2.13 is a test dependency")
+import moshi.models.lm as moshi_lm  # noqa: E402  (test-only reference; `make test` installs it: never skip parity)
+from moshi.utils.compile import no_compile  # noqa: E402
 
 TINY = LMConfig.tiny()
+
+
+@pytest.fixture(autouse=True)
+def _moshi_eager():
+    """Keep moshi eager even if another module imported it before NO_TORCH_COMPILE was set."""
+    with no_compile():
+        yield
 
 
 def moshi_model(cfg: LMConfig, state: dict, dtype: torch.dtype):
