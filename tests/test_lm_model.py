@@ -455,3 +455,21 @@ def test_loads_the_embedded_tiny_checkpoint(tiny_checkpoint):
     h = model.temporal(model.embed(random_tokens(cfg, 1, 2, seed=0)), kv, kv.all_slots)[:, -1]
     audio = model.depformer(h, model.text_logits(h).argmax(-1), lambda cb, logits: logits.argmax(-1))
     assert audio.shape == (1, 8) and bool(((audio >= 0) & (audio < cfg.card)).all())
+
+
+def test_a_poisoned_slot_touches_no_other_and_reset_clears_it():
+    """Non-finite state in one slot (a diverged session) stays in that slot, and reset() leaves
+    nothing of it for the next session: masked ring entries are zeroed, not just hidden."""
+    model = LMModel(TINY).init_random_(1)
+    kv = model.new_kv_cache(2)
+    x = model.embed(random_tokens(TINY, 2, 3, seed=40))
+    model.temporal(x, kv, kv.all_slots)
+    kv.k[:, 0].fill_(float("nan"))
+    h = model.temporal(x[:, :1], kv, kv.all_slots)
+    assert h[0].isnan().all() and h[1].isfinite().all()
+    alone = model.new_kv_cache(1)
+    model.temporal(x[1:], alone, alone.all_slots)
+    assert rel_err(h[1:], model.temporal(x[1:, :1], alone, alone.all_slots)) < 1e-6
+    kv.reset(0)
+    fresh = model.temporal(x[:1], model.new_kv_cache(1), torch.tensor([0]))
+    assert rel_err(model.temporal(x[:1], kv, torch.tensor([0])), fresh) < 1e-6
