@@ -1,0 +1,222 @@
+"""The talk page in a real headless Chromium against the real local stack.
+
+Chromium (Debian's, installed here with apt-get when missing) gets a generated speech-like WAV
+as its fake microphone. Playwright drives the page the gateway serves at `/`: press Talk, and the
+page must open a session, stream the microphone (the gateway's own frames-in counter grows),
+play the model's audio (its played-frames counter grows, with a non-silent level), show the
+model's transcript and a heartbeat round trip, and close cleanly on Stop. A voice the server
+does not have must come back as an error in plain words, and the page must work after it.
+
+A screenshot of the live page is saved to test-artifacts/browser.png.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools.run_stack import Stack
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def ensure_chromium() -> Path:
+    """Debian's chromium, installed with apt-get when missing (CI runs as root on Debian)."""
+    if CHROMIUM.exists():
+        return CHROMIUM
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.fail(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): apt-get install -y chromium")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
+    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
+        done = subprocess.run(install, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"apt-get install chromium failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert CHROMIUM.exists(), "apt-get installed chromium but /usr/bin/chromium is not there"
+    return CHROMIUM
+
+
+def write_speech_like_wav(path: Path, seconds: float = 4.0, rate: int = 48_000) -> Path:
+    """Voiced 'syllables': a gliding pitch with harmonics shaped by two formant bumps,
+    at about 4 syllables a second, with short pauses between words. 16-bit mono."""
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = 140 + 40 * np.sin(2 * math.pi * 0.7 * t)  # intonation
+    phase = 2 * math.pi * np.cumsum(f0) / rate
+    formants = 650 + 350 * np.sin(2 * math.pi * 3.1 * t)  # the vowel changes
+    voice = np.zeros_like(t)
+    for k in range(1, 25):
+        freq = k * f0
+        gain = np.exp(-(((freq - formants) / 250) ** 2)) + 0.5 * np.exp(-(((freq - 2 * formants - 500) / 400) ** 2))
+        voice += gain * np.sin(k * phase) / k**0.5
+    syllables = np.clip(np.sin(2 * math.pi * 4.0 * t), 0, None) ** 0.6
+    words = (np.sin(2 * math.pi * 0.45 * t) > -0.6).astype(float)  # a pause now and then
+    signal = voice * syllables * words
+    signal = 0.3 * signal / np.max(np.abs(signal))
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((signal * 32767).astype("<i2").tobytes())
+    return path
+
+
+def metric(base_url: str, name: str, labels: str = "") -> float:
+    """One sample of the gateway's /metrics, e.g. metric(url, 'gateway_frames_in_total')."""
+    text = urllib.request.urlopen(base_url + "/metrics", timeout=5).read().decode()
+    want = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.split()[-1])
+    return 0.0  # a labelled series not touched yet
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    # This machine is shared and slow: generous bounds for "a stage is stalled" and for opening.
+    gateway_args = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
+    with Stack(tiny_checkpoint, sessions=1, gateway_args=gateway_args) as running:
+        yield running
+
+
+@pytest.fixture
+def page(tmp_path):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the playwright package is missing: pip install -e '.[test]' (pyproject's test extra)")
+    chromium = ensure_chromium()
+    mic = write_speech_like_wav(tmp_path / "mic.wav")
+    flags = [
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={mic}",
+    ]
+    with sync_playwright() as pw:
+        # A persistent context is how Playwright takes a --user-data-dir: a fresh one per test.
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=str(chromium), headless=True, args=flags,
+            viewport={"width": 1100, "height": 720},
+        )
+        page = context.pages[0] if context.pages else context.new_page()
+        page.problems = []  # uncaught page errors and console errors: a working page has none
+        page.on("pageerror", lambda e: page.problems.append(f"page error: {e}"))
+        page.on("console", lambda m: m.type == "error" and page.problems.append(f"console: {m.text}"))
+        try:
+            yield page
+        finally:
+            context.close()
+
+
+def text_of(page, selector: str) -> str:
+    return page.inner_text(selector).strip()
+
+
+def wait_for(page, js: str, timeout_s: float, what: str) -> None:
+    """Wait until the JS expression is true; on timeout say what was awaited and what the page shows."""
+    try:
+        page.wait_for_function(js, timeout=timeout_s * 1000, polling=100)
+    except Exception:
+        state = page.evaluate("document.getElementById('state').textContent")
+        error = page.evaluate("document.getElementById('error').textContent")
+        stats = page.evaluate("document.querySelector('.stats').innerText")
+        raise AssertionError(f"timed out waiting for {what}; state={state!r} error={error!r}\n{stats}") from None
+
+
+COUNTERS = ("sent-frames", "received-frames", "played-frames", "lag-frames", "lag-ms")
+
+
+def counters(page) -> dict[str, int]:
+    texts = page.evaluate(f"{list(COUNTERS)}.map((id) => document.getElementById(id).textContent)")
+    return {name: int(text) for name, text in zip(COUNTERS, texts)}
+
+
+@pytest.mark.timeout(240)
+def test_talk_from_the_browser(stack, page):
+    base = stack.gateway.http_url
+    page.goto(base + "/")
+    assert page.title() == "PersonaPlex: talk"
+    assert page.get_attribute("#state", "data-state") == "idle"
+    assert page.input_value("#voice") == "NATF2.pt"
+
+    # A voice this server does not have: the refusal arrives as an error in plain words, before any session.
+    page.fill("#voice", "NOSUCH1.pt")
+    page.click("#talk")
+    wait_for(page, "document.getElementById('state').dataset.state === 'error'", 30, "the refusal of an unknown voice")
+    error = text_of(page, "#error")
+    assert "NOSUCH1.pt" in error and "invalid_voice" in error, error
+    assert page.is_enabled("#talk") and not page.is_enabled("#stop")
+
+    # A malformed voice name is caught on the page itself, without a connection.
+    page.fill("#voice", "../etc/passwd")
+    page.click("#talk")
+    assert "is not a voice name" in text_of(page, "#error")
+    assert page.get_attribute("#state", "data-state") == "error"
+
+    # Now a real conversation on the same page.
+    frames_in_before = metric(base, "gateway_frames_in_total")
+    page.fill("#voice", "NATF2.pt")
+    page.fill("#persona", "You like browsers.")  # the tiny model's 32-frame window fits only a short persona
+    t0 = time.monotonic()
+    page.click("#talk")
+    wait_for(page, "document.getElementById('state').dataset.state === 'live'", 60, "the session to open")
+    assert page.is_hidden("#error")
+    opened_s = time.monotonic() - t0
+    wait_for(
+        page,
+        """(() => {
+            const n = (id) => Number(document.getElementById(id).textContent);
+            return n('sent-frames') >= 25 && n('played-frames') >= 5
+                && Number(document.getElementById('model-level').dataset.peak) > 0
+                && Number(document.getElementById('mic-level').dataset.peak) > 0.05  // the WAV peaks at 0.3
+                && document.getElementById('transcript').textContent.trim().length > 0
+                && /^[0-9]+$/.test(document.getElementById('rtt-ms').textContent);
+        })()""",
+        60,
+        "25 frames sent, a loud mic chunk, 5 frames played (non-silent), some transcript and a heartbeat round trip",
+    )
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser.png"))
+
+    c = counters(page)  # one read, so the counters agree with each other
+    sent, received, played = c["sent-frames"], c["received-frames"], c["played-frames"]
+    # The microphone (the fake WAV) reached the server: the gateway's own counter grew.
+    frames_in = metric(base, "gateway_frames_in_total") - frames_in_before
+    assert frames_in >= 20 and sent >= 25, (frames_in, sent)
+    # Model audio arrived and was played; output never runs ahead of input (read after `received`).
+    assert played >= 5 and received >= played and received <= frames_in, (played, received, frames_in)
+    model_rms = float(page.get_attribute("#model-level", "data-rms"))
+    assert model_rms > 1e-6, model_rms
+    lag = c["lag-frames"]
+    assert lag == sent - received and c["lag-ms"] == 80 * lag, c
+    assert re.fullmatch(r"-?[0-9]+ dBFS", text_of(page, "#mic-level"))
+    assert len(text_of(page, "#transcript")) > 0
+    assert metric(base, "gateway_sessions_active", 'protocol="realtime"') == 1
+
+    # Stop: session.close, the server confirms, audio is torn down, the slot is free again.
+    page.click("#stop")
+    wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 15, "the session to close")
+    assert page.is_hidden("#error"), text_of(page, "#error")
+    assert page.is_enabled("#talk") and not page.is_enabled("#stop")
+    # Appends are handled in order before session.close, so the server got exactly what the page sent.
+    sent_total = counters(page)["sent-frames"]
+    assert metric(base, "gateway_frames_in_total") - frames_in_before == sent_total
+    deadline = time.monotonic() + 10
+    while metric(base, "gateway_sessions_active", 'protocol="realtime"') != 0:
+        assert time.monotonic() < deadline, "the gateway still counts the session as active after Stop"
+        time.sleep(0.2)
+    assert page.problems == [], page.problems
+    print(f"\nbrowser: session open {opened_s:.1f}s after Talk; at the screenshot: sent {sent}, received {received}, played {played}, "
+          f"lag {lag} frames, rtt {text_of(page, '#rtt-ms')} ms, model rms {model_rms:.2e}; {sent_total} sent in all")
