@@ -252,7 +252,7 @@ async def test_concurrent_sessions_with_different_starts(tiny_checkpoint):
             await asyncio.sleep(start)
             sess = Session(s.stub, name, persona=persona)
             ready = await sess.open()
-            frames = user_frames(n, hash(name) % 1000)
+            frames = user_frames(n, 100 + int(name[1:]))
             await sess.send_paced(frames, period)
             await sess.finish()
             return sess, ready, persona, frames
@@ -469,3 +469,17 @@ def test_subprocess_serves_and_drains_on_sigterm(tiny_checkpoint):
         assert "duplex_talker_tick_lateness_seconds_bucket" in text
         assert refused == grpc.StatusCode.UNAVAILABLE
         assert proc.proc.wait(timeout=20) == 0  # exits by itself once the live session ended
+
+
+def test_config_env_then_flags_and_bad_values():
+    cfg = TalkerConfig.load(["--checkpoint", "/x", "--slots", "4"], env={"TALKER_SLOTS": "9", "TALKER_TICK_MS": "40"})
+    assert (cfg.slots, cfg.tick_ms, cfg.port) == (4, 40.0, 50052)  # flag over env over default
+    assert cfg.max_backlog_frames == 50  # 2 s of 40 ms frames
+    assert cfg.torch_dtype == torch.float32 and replace(cfg, device="cuda").torch_dtype == torch.bfloat16
+    for bad in ({"slots": 0}, {"tick_ms": 0.0}, {"max_backlog_s": 0.0}, {"dtype": "int8"}, {"context": -1}):
+        with pytest.raises(ValueError):
+            replace(cfg, **bad)
+    with pytest.raises(SystemExit):
+        TalkerConfig.load([], env={})  # no checkpoint
+    with pytest.raises(SystemExit):
+        TalkerConfig.load(["--checkpoint", "/x"], env={"TALKER_SLOTS": "many"})
