@@ -104,9 +104,21 @@ async def drain(rt: RT, seconds: float) -> None:
         pass
 
 
+async def wait_frames(rt: RT, k: int, timeout: float = 90.0) -> None:
+    """Read until the session has at least k output frames (the shared machine may be slow)."""
+    deadline = time.monotonic() + timeout
+    while len(rt.of("response.output_audio.delta")) < k and time.monotonic() < deadline:
+        try:
+            ev = await rt.recv(deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            break
+        assert ev["type"] != "error", ev
+
+
 def check_output(rt: RT, min_frames: int) -> None:
     audio_ev, text_ev = rt.of("response.output_audio.delta"), rt.of("response.output_audio_transcript.delta")
-    assert len(audio_ev) >= min_frames, f"{len(audio_ev)} audio deltas, expected >= {min_frames}"
+    assert len(audio_ev) >= min_frames, (f"{len(audio_ev)} audio deltas, expected >= {min_frames}", [e["type"] for e in rt.events],
+                                         rt.of("error"))
     assert abs(len(audio_ev) - len(text_ev)) <= 1  # paired (the last pair may be mid-flight)
     assert not rt.of("response.audio.delta"), "legacy names must not be sent unasked"
     for e in audio_ev:
@@ -163,8 +175,8 @@ async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(s
             assert (await c.recv(30))["type"] != "session.created"
 
     n = 12
-    await asyncio.gather(paced(a, tone(n, 220)), paced(b, tone(n, 330, seed=1)), drain(a, 0), drain(b, 0))
-    await asyncio.gather(drain(a, 3), drain(b, 3))
+    await asyncio.gather(paced(a, tone(n, 220)), paced(b, tone(n, 330, seed=1)))
+    await asyncio.gather(wait_frames(a, n - 2), wait_frames(b, n - 2))
     done, closed = await a.close()
     assert done["response"]["status"] == "completed" and closed["cleanup_confirmed"] is True
     check_output(a, min_frames=n // 2)
@@ -182,7 +194,7 @@ async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(s
     assert created["type"] == "session.created", created
     assert created["session"]["instructions"] == "You are Dora." and created["session"]["voice"] == "NATM1.pt"
     await asyncio.gather(paced(d, tone(n, 440, seed=2)), paced(b, tone(n, 330, seed=3)))
-    await asyncio.gather(drain(d, 3), drain(b, 3))
+    await asyncio.gather(wait_frames(d, n - 2), wait_frames(b, 2 * n - 2))
     check_output(d, min_frames=n // 2)
     assert len(b.of("response.output_audio.delta")) > b_frames_before + n // 2, "b stalled while a closed and d opened"
     ids_d = {e["response_id"] for e in d.of("response.output_audio.delta")}
@@ -217,6 +229,8 @@ async def test_malformed_input_gets_one_typed_error_and_the_next_append_works(st
     for i, (message, code) in enumerate(bad):
         await rt.ws.send(message.replace('"type": "input_audio_buffer.append"', f'"type": "input_audio_buffer.append", "event_id": "c{i}"'))
         ev = await rt.recv(30)
+        while ev["type"] in ("response.created", "response.output_audio.delta", "response.output_audio_transcript.delta"):
+            ev = await rt.recv(30)  # output of earlier good appends may come first
         assert ev["type"] == "error" and ev["error"]["code"] == code, (message[:80], ev)
         assert ev["error"]["type"] == "invalid_request_error"
         if "input_audio_buffer.append" in message:
@@ -225,9 +239,9 @@ async def test_malformed_input_gets_one_typed_error_and_the_next_append_works(st
         await rt.send({"type": "input_audio_buffer.append", "audio": f32(good)})
     # Heartbeat is answered; a half packet stays pending (no frame) until more arrives.
     await rt.send({"type": "session.heartbeat", "event_id": "hb1"})
-    ack = await rt.until("session.heartbeat_ack", 30)
+    ack = await rt.until("session.heartbeat_ack", 30)  # (fails on any further error event)
     assert ack["client_event_id"] == "hb1"
-    await drain(rt, 4)
+    await wait_frames(rt, len(bad) - 1)
     errors = rt.of("error")
     assert len(errors) == len(bad), errors  # exactly one error per bad message, none for the good ones
     done, closed = await rt.close()
@@ -268,7 +282,7 @@ async def test_openai_client_speaks_ga_events_with_bearer_key(stack):
                     texts.append(ev.delta)
                 elif ev.type == "error":
                     pytest.fail(f"error event: {ev}")
-                if len(audio_chunks) >= 4 and sender.done():
+                if len(texts) >= 4 and sender.done():
                     break
             await sender
             await conn.send({"type": "session.close"})
@@ -278,7 +292,7 @@ async def test_openai_client_speaks_ga_events_with_bearer_key(stack):
                     break
         assert types[0] == "session.created" and "response.created" in types and "response.done" in types
         y = np.concatenate(audio_chunks).astype(np.float32) / 32768
-        assert np.isfinite(y).all() and np.sqrt(np.mean(y**2)) > 1e-3 and len(texts) >= 4
+        assert np.isfinite(y).all() and np.sqrt(np.mean(y**2)) > 1e-3 and len(texts) == len(audio_chunks)
     finally:
         gw.stop()
 
