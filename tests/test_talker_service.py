@@ -385,6 +385,8 @@ BAD_OPENS = [
     (open_msg("v", voice="NOPE.pt"), grpc.StatusCode.INVALID_ARGUMENT, "voice"),
     (open_msg("p", persona="x" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
     (open_msg("p", persona="bad\x00byte"), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
+    # short enough in characters, too long in frames for the tiny model's window: refused by engine.begin
+    (open_msg("p", persona="You are a friendly assistant. " * 8), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
     (open_msg("t", greedy=False, text_temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (open_msg("t", greedy=False, audio_temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (open_msg("k", greedy=False, audio_top_k=5000), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
@@ -398,7 +400,7 @@ async def test_bad_open_and_bad_frames_get_typed_errors_and_change_nothing(tiny_
         for req, code, word in BAD_OPENS:
             got, details = await open_error(s.stub, req)
             assert got == code and word in details.lower(), (req, got, details)
-        assert (await s.capacity()).free_slots == SLOTS  # no slot was ever taken
+        await s.wait_free(SLOTS)  # every refused session left its slot (if it took one) free
         live = Session(s.stub, "live")
         await live.open()
         got, _ = await open_error(s.stub, open_msg("live"))
