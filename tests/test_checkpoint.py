@@ -16,7 +16,7 @@ from services.common.mimi import MimiConfig, MimiModel
 from services.common.text import TextTokenizer
 from services.talker.model import LMConfig, LMModel
 from services.talker.voices import RING, VoicePrompt, load_voice, save_voice
-from tools.make_checkpoint import VOICE_NAMES, build_random_checkpoint, ensure_checkpoint, write_checkpoint
+from tools.make_checkpoint import VOICE_NAMES, build_random_checkpoint, cache_dir, ensure_checkpoint, write_checkpoint
 
 FILES = ["config.json", "model.safetensors", "tokenizer-e351c8d8-checkpoint125.safetensors",
          "tokenizer_spm_32k_3.model", *(f"voices/{v}.pt" for v in VOICE_NAMES)]
@@ -154,15 +154,17 @@ def test_ensure_checkpoint_is_cached_and_race_safe(tiny_checkpoint, tmp_path):
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
+    final = cache_dir("tiny", 0, root)
+    assert final.name.startswith("tiny-seed0-") and final.parent == root
     got = {q.get(timeout=5), q.get(timeout=5)}
-    assert got == {str(root / "tiny-seed0")}
-    assert sorted(x.name for x in root.iterdir()) == ["tiny-seed0"]  # no temp dirs left behind
+    assert got == {str(final)}
+    assert [x.name for x in root.iterdir()] == [final.name]  # no temp dirs left behind
     for f in FILES:
-        assert (root / "tiny-seed0" / f).read_bytes() == (tiny_checkpoint / f).read_bytes()
+        assert (final / f).read_bytes() == (tiny_checkpoint / f).read_bytes()
     # cached: a second call returns at once without rebuilding
-    stamp = (root / "tiny-seed0" / "config.json").stat().st_mtime_ns
-    assert ensure_checkpoint("tiny", seed=0, root=root) == root / "tiny-seed0"
-    assert (root / "tiny-seed0" / "config.json").stat().st_mtime_ns == stamp
+    stamp = (final / "config.json").stat().st_mtime_ns
+    assert ensure_checkpoint("tiny", seed=0, root=root) == final
+    assert (final / "config.json").stat().st_mtime_ns == stamp
     shutil.rmtree(root)
 
 

@@ -405,6 +405,8 @@ def test_bad_requests_are_typed_and_leave_other_sessions_alone(paths, tmp_path):
         eng.step(torch.zeros(2, 8, dtype=torch.long), torch.tensor([True, True]))
     with pytest.raises(ValueError, match="BoolTensor"):
         eng.step(torch.zeros(2, 8, dtype=torch.long), torch.tensor([1, 0]))
+    idle = eng.step(torch.zeros(2, 8, dtype=torch.long), torch.tensor([False, False]))  # a tick with no input
+    assert not idle.has_output.any() and bool((idle.text_tokens == -1).all())
     assert torch.equal(eng.offset, offset)
     # the live session carries on exactly as if nothing had happened
     assert run_session(eng, 0, frames[10:]) == run_session(ref, 0, frames[10:])

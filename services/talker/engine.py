@@ -181,7 +181,6 @@ class TalkerEngine:
         self._jobs: list[PrefillJob | None] = [None] * slots
         self._voice_files: dict[str, VoicePrompt] = dict(voices or {})
         self._voice_kv: dict[str, _VoicePrefix] = {}
-        self._all_slots = torch.arange(slots, device=dev)
 
     @classmethod
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
@@ -251,6 +250,9 @@ class TalkerEngine:
         not_live = [i for i, a in enumerate(act_list) if a and not self._live[i]]
         if not_live:
             raise ValueError(f"slots {not_live} are not live (no begin(), prefill not done, or released)")
+        if not any(act_list):  # nothing to advance: skip the model entirely
+            none = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=dev)
+            return StepResult(none[:, 0], none[:, 1:], torch.zeros(S, dtype=torch.bool, device=dev))
         act = active.to(dev)
         codes = user_codes.to(dev)
         bad = ((codes < 0) | (codes >= self.card)) & act[:, None]
@@ -266,7 +268,8 @@ class TalkerEngine:
         col = (o % RING)[:, None, None].expand(S, self.cfg.num_streams, 1)
         tokens = self.hist.gather(2, col)[..., 0]
         tokens = torch.where(o[:, None] <= self.delays[None, :], self.initial[None, :], tokens)
-        h = self._temporal_step(self.model.embed(tokens[:, None]), act)[:, 0]
+        # (no id range check: user codes were checked above, everything else in the history is ours)
+        h = self._temporal_step(self.model.embed(tokens[:, None], check=False), act)[:, 0]
         # 3. sample text, then the depformer's 8 agent codebooks
         text_params = self._params(self._text, self._text_k, self.text_card)
         audio_params = self._params(self._audio, self._audio_k, self.card)
@@ -298,7 +301,7 @@ class TalkerEngine:
         entry each inactive slot had overwritten is put back and its length restored."""
         kv = self.kv
         idx = kv.length % kv.context  # [S]: the ring index each row writes
-        rows = self._all_slots
+        rows = kv.all_slots  # the LM's fast path for "every slot, in order"
         saved_k, saved_v = kv.k[:, rows, :, idx], kv.v[:, rows, :, idx]  # [S, layers, H, Dh]
         h = self.model.temporal(x, kv, rows)
         keep = (~act)[:, None, None, None]
