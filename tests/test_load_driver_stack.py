@@ -16,11 +16,13 @@ import pytest
 from tools.run_stack import Stack
 
 REPO = Path(__file__).resolve().parents[1]
+# As in test_gateway_e2e: this machine is shared and slow, so generous stage-stall and open bounds.
+GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint):
-    with Stack(tiny_checkpoint, sessions=2) as running:
+    with Stack(tiny_checkpoint, sessions=2, gateway_args=GATEWAY_ARGS) as running:
         yield running
 
 
@@ -55,6 +57,7 @@ def test_two_paced_sessions_on_the_real_stack(stack, tmp_path):
 def test_lifecycle_on_the_real_stack(stack, tmp_path):
     out = tmp_path / "life"
     proc = driver("--url", stack.gateway.ws_url, "--capacity", "2", "--lifecycle-frames", "25", "--drain-s", "2",
+                  "--cleanup-timeout-s", "10",
                   "--output-dir", str(out))
     result = json.loads((out / "lifecycle-result.json").read_text())
     assert proc.returncode == 0 and result["ok"], (result["failed_check"], result["error"],

@@ -70,6 +70,7 @@ class Lifecycle:
         self.stats: dict[str, dict[str, Any]] = {}
         self.capabilities: dict[str, Any] | None = None
         self.overflow_error: dict[str, Any] | None = None
+        self.replacement_retries = 0
 
     def require(self, ok: bool, check: str, message: str) -> None:
         if not ok:
@@ -159,6 +160,22 @@ class Lifecycle:
                          f"{role}: no response.done before session.closed")
         await run.session.close()
 
+    async def open_replacement(self) -> SessionRun:
+        """The freed slot must admit a new session. A server may still be confirming the release
+        for a moment after session.closed: `resource_exhausted` is retried within cleanup_timeout_s."""
+        deadline = time.monotonic() + self.config.cleanup_timeout_s
+        while True:
+            try:
+                return await self.open_admitted(self.config.replacement_persona, "replacement")
+            except CheckFailed as exc:
+                run = self.runs[-1]
+                refused = exc.check == "admission" and "resource_exhausted" in str(exc)
+                if not refused or time.monotonic() > deadline:
+                    raise
+                self.replacement_retries += 1
+                await run.session.close()
+                await asyncio.sleep(0.2)
+
     async def bad_append_is_refused_once(self, run: SessionRun) -> None:
         """A malformed append (invalid base64) gets one typed error and changes nothing."""
         self.note("sending secondary one malformed append")
@@ -206,7 +223,7 @@ class Lifecycle:
 
         self.note("closing primary and reusing its slot with another persona")
         await self.close(primary, "primary")
-        replacement = await self.open_admitted(cfg.replacement_persona, "replacement")
+        replacement = await self.open_replacement()
         self.require(replacement.session_id not in (primary.session_id, secondary.session_id),
                      "fresh_session_id", "the replacement reused a session id")
 
@@ -258,5 +275,6 @@ async def run_lifecycle(config: DriverConfig, pcm: np.ndarray, progress=None) ->
         "frames_per_phase": len(life.frames),
         "capabilities": life.capabilities,
         "overflow_error": life.overflow_error,
+        "replacement_admission_retries": life.replacement_retries,
         "sessions": life.stats,
     }
