@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from services.talker.decode_attention import FP8, SCALE_DTYPE, decode_attention, dequantize_fp8, quantize_fp8
+
 
 class KVCache:
     def __init__(self, num_layers: int, slots: int, heads: int, context: int, head_dim: int,
@@ -54,8 +56,29 @@ class KVCache:
         if not isinstance(slot, int) or not 0 <= slot < self.slots:
             raise IndexError(f"slot {slot!r} is out of range for a cache of {self.slots} slots")
         self.length[slot] = 0
-        self.k[:, slot].zero_()
-        self.v[:, slot].zero_()
+        for t in self._stores():
+            t[:, slot].zero_()
+
+    def _stores(self) -> list[torch.Tensor]:
+        """Every tensor indexed [layer, slot, head, ring index, ...] (a subclass adds its scales)."""
+        return [self.k, self.v]
+
+    def copy_slot(self, src: "KVCache", src_slot: int, dst_slot: int) -> None:
+        """Copy slot `src_slot` of `src` (same format and shape) into our `dst_slot`."""
+        for ours, theirs in zip(self._stores(), src._stores(), strict=True):
+            ours[:, dst_slot].copy_(theirs[:, src_slot])
+        self.length[dst_slot] = src.length[src_slot]
+
+    def save_entries(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """The entry at ring index idx[s] of every slot s, in every layer (for `restore_entries`)."""
+        return [t[:, self.all_slots, :, idx] for t in self._stores()]
+
+    def restore_entries(self, idx: torch.Tensor, saved: list[torch.Tensor], keep: torch.Tensor) -> None:
+        """Put back the saved entries of the slots where keep[s] holds (static shapes, no sync)."""
+        rows = self.all_slots
+        for t, old in zip(self._stores(), saved, strict=True):
+            mask = keep.view(-1, *([1] * (old.dim() - 1)))
+            t[:, rows, :, idx] = torch.where(mask, old, t[:, rows, :, idx])
 
     def ring_positions(self, last: torch.Tensor) -> torch.Tensor:
         """Absolute position held at each ring index when `last` (LongTensor[B]) was the latest
@@ -108,9 +131,7 @@ class KVCache:
             # Live step: write first, then attend over the ring. The entry overwritten was the
             # position just outside the window, so the ring now holds exactly the window.
             self.write(layer, slots, positions, k, v)
-            keys, values = self.read(layer, slots, q.dtype)
-            mask = (self.ring_positions(positions[:, 0]) >= 0)[:, None, None, :]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            return self.decode(layer, q, slots, positions)
         # Prefill: attend over [ring as it was] + [the T new positions], then write. Writing
         # first could overwrite positions still inside the window of the chunk's early queries
         # (moshi's own multi-position streaming call does write first, so once its ring wraps it
@@ -123,6 +144,58 @@ class KVCache:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         self.write(layer, slots, positions, k, v)
         return out
+
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-vector dequantization scales of a layer's ring (None: the ring holds plain floats)."""
+        return None, None
+
+    def decode(self, layer: int, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One query per row [B, H, 1, Dh] over its slot's ring, which already holds the new entry.
+
+        On CUDA a Triton kernel reads the ring in place and only its valid entries (indices
+        0..min(p+1, context)-1 hold positions p-context+1..p). Elsewhere: plain torch."""
+        if q.is_cuda:
+            n_valid = (positions[:, 0] + 1).clamp(max=self.context)
+            k_scale, v_scale = self.scales(layer)
+            out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], k_scale, v_scale, slots, n_valid,
+                                   q.shape[-1] ** -0.5)
+            return out[:, :, None]
+        keys, values = self.read(layer, slots, q.dtype)
+        mask = (self.ring_positions(positions[:, 0]) >= 0)[:, None, None, :]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+class Fp8KVCache(KVCache):
+    """The ring stored as fp8 (e4m3) with one fp16 scale per (slot, head, position) key or value
+    vector: half the bytes of bf16, which is what lets ~160 full-context sessions fit one H200.
+    Why per-vector scales: see services/talker/decode_attention.py."""
+
+    def __init__(self, num_layers: int, slots: int, heads: int, context: int, head_dim: int, device=None,
+                 dtype=None):
+        super().__init__(num_layers, slots, heads, context, head_dim, device=device, dtype=FP8)
+        shape = (num_layers, slots, heads, context)
+        self.k_scale = torch.zeros(shape, device=device, dtype=SCALE_DTYPE)
+        self.v_scale = torch.zeros(shape, device=device, dtype=SCALE_DTYPE)
+
+    def _stores(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.k_scale, self.v_scale]
+
+    def scales(self, layer: int):
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def write(self, layer, slots, positions, k, v) -> None:
+        n = min(positions.shape[1], self.context)
+        idx = positions[:, -n:] % self.context
+        rows = slots[:, None].expand_as(idx)
+        for ring, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            xq, xs = quantize_fp8(x[:, :, -n:].transpose(1, 2))  # [B, n, H, Dh], [B, n, H]
+            ring[layer][rows, :, idx] = xq
+            scale[layer][rows, :, idx] = xs
+
+    def read(self, layer, slots, dtype):
+        k, v, ks, vs = (t[layer] if slots is self.all_slots else t[layer][slots] for t in self._stores())
+        return dequantize_fp8(k, ks, dtype), dequantize_fp8(v, vs, dtype)
 
 
 class DepformerCache:

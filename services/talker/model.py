@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.common.checkpoint import LM_FILE, CheckpointError
-from services.talker.kv_cache import DepformerCache, KVCache
+from services.talker.kv_cache import DepformerCache, Fp8KVCache, KVCache
 from services.talker.layers import Gating, RMSNorm, Weight, apply_rope, embed_or_zero
 
 _FULL_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
@@ -320,10 +320,13 @@ class LMModel(nn.Module):
             x = x + embed_or_zero(self.emb[k], audio[..., k])
         return x + embed_or_zero(self.text_emb, text)
 
-    def new_kv_cache(self, slots: int, device=None, dtype=None, context: int | None = None) -> KVCache:
+    def new_kv_cache(self, slots: int, device=None, dtype=None, context: int | None = None,
+                     fp8: bool = False) -> KVCache:
+        """The temporal KV ring for `slots` sessions; fp8=True stores it as fp8 with per-vector scales."""
         cfg = self.cfg
-        return KVCache(cfg.num_layers, slots, cfg.num_heads, cfg.context if context is None else context, cfg.head_dim,
-                       device=device or self.device, dtype=dtype or self.dtype)
+        cache = Fp8KVCache if fp8 else KVCache
+        return cache(cfg.num_layers, slots, cfg.num_heads, cfg.context if context is None else context, cfg.head_dim,
+                     device=device or self.device, dtype=dtype or self.dtype)
 
     @torch.no_grad()
     def temporal(self, x: torch.Tensor, kv: KVCache, slots: torch.Tensor) -> torch.Tensor:

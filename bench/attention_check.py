@@ -1,0 +1,84 @@
+"""GPU check of the decode-attention kernel: correctness against the torch reference and
+achieved bandwidth at serving shapes. Usage: python -m bench.attention_check [--out DIR]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from services.talker.decode_attention import decode_attention, decode_attention_reference, quantize_fp8
+
+
+def bench(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    dev = "cuda"
+    H, D, C = 32, 128, 3000
+    results = {}
+    torch.manual_seed(0)
+    # correctness, small
+    S, B = 12, 8
+    ring_k = torch.randn(S, H, C, D, device=dev, dtype=torch.bfloat16)
+    ring_v = torch.randn(S, H, C, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
+    slots = torch.randperm(S, device=dev)[:B]
+    n_valid = torch.tensor([1, 2, 63, 64, 65, 1000, 2999, 3000], device=dev)
+    sm = D ** -0.5
+    for kind in ("bf16", "fp8"):
+        if kind == "fp8":
+            kq, ks = quantize_fp8(ring_k)
+            vq, vs = quantize_fp8(ring_v)
+            args_ = (kq, vq, ks, vs)
+        else:
+            args_ = (ring_k, ring_v, None, None)
+        out = decode_attention(q, *args_, slots, n_valid, sm)
+        ref = decode_attention_reference(q, *args_, slots, n_valid, sm)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        results[f"rel_err_kernel_vs_ref_{kind}"] = err
+        print(f"{kind}: kernel vs reference relative error {err:.2e}")
+        assert err < 2e-2, err
+    # fp8 vs bf16 attention output error
+    kq, ks = quantize_fp8(ring_k)
+    vq, vs = quantize_fp8(ring_v)
+    o8 = decode_attention(q, kq, vq, ks, vs, slots, n_valid, sm)
+    o16 = decode_attention(q, ring_k, ring_v, None, None, slots, n_valid, sm)
+    results["rel_err_fp8_vs_bf16_random"] = ((o8.float() - o16.float()).norm() / o16.float().norm()).item()
+    del ring_k, ring_v, kq, vq
+    # bandwidth at serving shapes: one layer, S slots full
+    for S in (32, 160):
+        kq = torch.randn(S, H, C, D, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        vq = torch.randn(S, H, C, D, device=dev, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        ks = torch.rand(S, H, C, device=dev, dtype=torch.float16)
+        vs = torch.rand(S, H, C, device=dev, dtype=torch.float16)
+        q = torch.randn(S, H, D, device=dev, dtype=torch.bfloat16)
+        slots = torch.arange(S, device=dev)
+        for fill in (C, C // 4):
+            n_valid = torch.full((S,), fill, device=dev)
+            for bn in (32, 64, 128):
+                t = bench(lambda: decode_attention(q, kq, vq, ks, vs, slots, n_valid, sm, block_n=bn))
+                gb = S * H * fill * (2 * D + 4) / 1e9
+                results[f"S{S}_fill{fill}_bn{bn}_ms"] = t * 1e3
+                print(f"S={S} fill={fill} block={bn}: {t*1e3:.3f} ms/layer, {gb/t:.0f} GB/s")
+        del kq, vq
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "attention_check.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
