@@ -250,16 +250,20 @@ class TalkerEngine:
         not_live = [i for i, a in enumerate(act_list) if a and not self._live[i]]
         if not_live:
             raise ValueError(f"slots {not_live} are not live (no begin(), prefill not done, or released)")
+        # Checked where the caller's tensor lives (the host, normally): no device sync per step.
+        bad = ((user_codes < 0) | (user_codes >= self.card)) & active[:, None]
+        if bool(bad.any()):
+            raise ValueError(f"user codes must be in [0, {self.card}), slots {bad.any(1).nonzero().flatten().tolist()} are not")
         if not any(act_list):  # nothing to advance: skip the model entirely
             none = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=dev)
             return StepResult(none[:, 0], none[:, 1:], torch.zeros(S, dtype=torch.bool, device=dev))
-        act = active.to(dev)
-        codes = user_codes.to(dev)
-        bad = ((codes < 0) | (codes >= self.card)) & act[:, None]
-        if bool(bad.any()):
-            raise ValueError(f"user codes must be in [0, {self.card}), slots {bad.any(1).nonzero().flatten().tolist()} are not")
+        return self._advance(user_codes.to(dev, non_blocking=True), active.to(dev, non_blocking=True))
 
-        o = self.offset
+    def _advance(self, codes: torch.Tensor, act: torch.Tensor) -> StepResult:
+        """The device part of a step: fixed shapes, no host syncs, state updated in place
+        (so it can later be captured in a CUDA graph with `codes`/`act` as static inputs)."""
+        S, max_delay = self.num_slots, self.cfg.max_delay
+        o = self.offset.clone()
         user = slice(1 + AGENT_CODEBOOKS, None)  # streams 9..16
         gen = slice(0, 1 + AGENT_CODEBOOKS)  # text + agent streams 0..8
         # 1. user codes of this frame into the history (column o + delay)
@@ -268,7 +272,7 @@ class TalkerEngine:
         col = (o % RING)[:, None, None].expand(S, self.cfg.num_streams, 1)
         tokens = self.hist.gather(2, col)[..., 0]
         tokens = torch.where(o[:, None] <= self.delays[None, :], self.initial[None, :], tokens)
-        # (no id range check: user codes were checked above, everything else in the history is ours)
+        # (no id range check: user codes were checked in step(), everything else in the history is ours)
         h = self._temporal_step(self.model.embed(tokens[:, None], check=False), act)[:, 0]
         # 3. sample text, then the depformer's 8 agent codebooks
         text_params = self._params(self._text, self._text_k, self.text_card)
@@ -287,7 +291,7 @@ class TalkerEngine:
         out = self.hist[:, gen].gather(2, idx[..., None])[..., 0]
         has_output = act & (out_frame >= self.start)
         out = torch.where(has_output[:, None], out, torch.full_like(out, -1))
-        self.offset = torch.where(act, o + 1, o)
+        self.offset.add_(act.long())
         return StepResult(text_tokens=out[:, 0], agent_codes=out[:, 1:], has_output=has_output)
 
     def _write(self, streams: slice, cols: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
