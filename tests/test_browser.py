@@ -7,6 +7,9 @@ play the model's audio (its played-frames counter grows, with a non-silent level
 model's transcript and a heartbeat round trip, and close cleanly on Stop. A voice the server
 does not have must come back as an error in plain words, and the page must work after it.
 
+The audio worklets (resampling to and from 24 kHz, 80 ms chunks, the jitter buffer) are also
+checked on their own in the same browser, through an OfflineAudioContext, with exact numbers.
+
 A screenshot of the live page is saved to test-artifacts/browser.png.
 """
 
@@ -17,9 +20,12 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.request
 import wave
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +36,7 @@ from tools.run_stack import Stack
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
+STATIC = REPO / "services" / "gateway" / "static"
 
 
 def ensure_chromium() -> Path:
@@ -88,6 +95,21 @@ def stack(tiny_checkpoint):
     gateway_args = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
     with Stack(tiny_checkpoint, sessions=1, gateway_args=gateway_args) as running:
         yield running
+
+
+@pytest.fixture
+def static_server():
+    """The static folder over a real local HTTP socket (for the worklet checks, which need no stack)."""
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(STATIC)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.fixture
@@ -220,3 +242,90 @@ def test_talk_from_the_browser(stack, page):
     assert page.problems == [], page.problems
     print(f"\nbrowser: session open {opened_s:.1f}s after Talk; at the screenshot: sent {sent}, received {received}, played {played}, "
           f"lag {lag} frames, rtt {text_of(page, '#rtt-ms')} ms, model rms {model_rms:.2e}; {sent_total} sent in all")
+
+
+# ---- the worklets alone, in an OfflineAudioContext (rendered as fast as the CPU allows) ----------
+
+MIC_JS = """async ({freq, rate, seconds}) => {
+    const ctx = new OfflineAudioContext(1, Math.round(rate * seconds), rate);
+    await ctx.audioWorklet.addModule('worklets.js');
+    const osc = new OscillatorNode(ctx, {frequency: freq});
+    const mic = new AudioWorkletNode(ctx, 'mic-capture', {numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1]});
+    const chunks = [];
+    mic.port.onmessage = (e) => chunks.push({bytes: e.data.pcm.byteLength, pcm: Array.from(new Int16Array(e.data.pcm)), rms: e.data.rms});
+    osc.connect(new GainNode(ctx, {gain: 0.5})).connect(mic).connect(ctx.destination);
+    osc.start();
+    await ctx.startRendering();
+    await new Promise((r) => setTimeout(r, 200));  // the last port messages
+    return chunks;
+}"""
+
+# 24 kHz frames -> pcm-player (jitter buffer, resampled to the context rate) -> mic-capture (back to
+# 24 kHz): what the player played, as the page would send it.
+LOOPBACK_JS = """async ({frames, rate, seconds, targetMs, maxMs}) => {
+    const ctx = new OfflineAudioContext(1, Math.round(rate * seconds), rate);
+    await ctx.audioWorklet.addModule('worklets.js');
+    const player = new AudioWorkletNode(ctx, 'pcm-player', {numberOfInputs: 0, outputChannelCount: [1], processorOptions: {targetMs, maxMs}});
+    const mic = new AudioWorkletNode(ctx, 'mic-capture', {numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1]});
+    const chunks = [];
+    let stats = null;
+    mic.port.onmessage = (e) => chunks.push(...new Int16Array(e.data.pcm));
+    player.port.onmessage = (e) => { stats = e.data; };
+    player.connect(mic).connect(ctx.destination);
+    ctx.suspend(1024 / rate).then(async () => {
+        for (let f = 0; f < frames; f++) {
+            const pcm = new ArrayBuffer(2 * 1920), view = new DataView(pcm);
+            for (let i = 0; i < 1920; i++) {
+                const t = (f * 1920 + i) / 24000;
+                view.setInt16(2 * i, Math.round(0.5 * 32767 * Math.sin(2 * Math.PI * 440 * t)), true);
+            }
+            player.port.postMessage({type: 'frame', pcm}, [pcm]);
+        }
+        await new Promise((r) => setTimeout(r, 100));  // delivered to the audio thread before it renders on
+        ctx.resume();
+    });
+    await ctx.startRendering();
+    await new Promise((r) => setTimeout(r, 200));
+    return {pcm: chunks, stats};
+}"""
+
+
+def dominant_hz(x: np.ndarray, rate: int = 24_000) -> float:
+    spectrum = np.abs(np.fft.rfft(x * np.hanning(len(x))))
+    return float(np.argmax(spectrum) * rate / len(x))
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))
+
+
+@pytest.mark.timeout(120)
+def test_worklets_resample_chunk_and_buffer(page, static_server):
+    page.goto(static_server + "/index.html")
+    for rate in (48_000, 44_100):
+        # 1 s of a 1 kHz sine at amplitude 0.5: twelve 80 ms chunks of 1920 pcm16 samples at 24 kHz.
+        chunks = page.evaluate(MIC_JS, {"freq": 1000, "rate": rate, "seconds": 1.0})
+        assert [c["bytes"] for c in chunks] == [3840] * 12, (rate, [c["bytes"] for c in chunks])
+        x = np.concatenate([np.array(c["pcm"], dtype=np.float64) for c in chunks])[200:] / 32768
+        assert abs(dominant_hz(x) - 1000) < 15, (rate, dominant_hz(x))
+        assert abs(rms(x) - 0.5 / math.sqrt(2)) < 0.02, (rate, rms(x))
+        assert all(abs(c["rms"] - 0.354) < 0.03 for c in chunks[1:]), [c["rms"] for c in chunks]
+        # 18 kHz cannot be carried at 24 kHz: the low-pass must remove it, not fold it down to 6 kHz.
+        chunks = page.evaluate(MIC_JS, {"freq": 18_000, "rate": rate, "seconds": 0.5})
+        aliased = np.concatenate([np.array(c["pcm"], dtype=np.float64) for c in chunks])[200:] / 32768
+        assert rms(aliased) < 0.01, (rate, rms(aliased))
+
+    # Twelve model frames (0.96 s of 440 Hz) come back out of the player whole and in tune.
+    out = page.evaluate(LOOPBACK_JS, {"frames": 12, "rate": 44_100, "seconds": 1.5, "targetMs": 160, "maxMs": 2000})
+    stats, y = out["stats"], np.array(out["pcm"], dtype=np.float64) / 32768
+    assert stats["framesIn"] == 12 and stats["framesPlayed"] == 12 and stats["droppedFrames"] == 0, stats
+    assert stats["underruns"] == 1 and stats["bufferedMs"] == 0 and not stats["playing"], stats  # ran dry once, at the end
+    voiced = np.flatnonzero(np.abs(y) > 0.05)
+    assert abs((voiced[-1] - voiced[0]) / 24_000 - 0.96) < 0.01, (voiced[0], voiced[-1])
+    played = y[voiced[0]:voiced[-1]]
+    assert abs(dominant_hz(played) - 440) < 10 and abs(rms(played) - 0.5 / math.sqrt(2)) < 0.02
+
+    # Twenty frames at once with a 600 ms cap: the oldest are dropped so latency stays bounded.
+    out = page.evaluate(LOOPBACK_JS, {"frames": 20, "rate": 44_100, "seconds": 1.5, "targetMs": 160, "maxMs": 600})
+    assert out["stats"]["droppedFrames"] == 13 and out["stats"]["framesPlayed"] == 7, out["stats"]
+    assert page.problems == [], page.problems

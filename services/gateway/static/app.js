@@ -104,7 +104,8 @@ class Conversation {
     this.instructions = instructions;
     this.counts = { sent: 0, received: 0, played: 0, underruns: 0, dropped: 0, bufferedMs: 0 };
     this.pings = new Map(); // heartbeat event_id -> send time
-    this.live = false;
+    this.opened = false; // session.created arrived
+    this.live = false; // opened and not yet over: mic audio is sent
     this.ended = false;
     this.closeWanted = false; // Stop was pressed: a close from here on is expected
   }
@@ -195,7 +196,7 @@ class Conversation {
     if (TEXT_DELTAS.has(ev.type)) return this.onText(ev.delta);
     switch (ev.type) {
       case "session.created":
-        this.live = true;
+        this.opened = this.live = true;
         setState("live");
         this.heartbeat = setInterval(() => this.ping(), HEARTBEAT_MS);
         this.ping();
@@ -211,9 +212,12 @@ class Conversation {
       case "error":
         this.onServerError(ev.error || {});
         break;
+      case "response.done":
       case "session.closed":
-        this.sessionClosed = true;
-        if (this.closeWanted) this.ws.close(1000, "done");
+        // The session is over (asked for, or ended by the server): no more audio goes out.
+        this.live = false;
+        if (ev.type === "session.closed") this.sessionClosed = true;
+        if (ev.type === "session.closed" && this.closeWanted) this.ws.close(1000, "done");
         break;
       default:
         break; // session.updated, response.created, response.done, ...: nothing to show
@@ -244,7 +248,7 @@ class Conversation {
   onServerError(err) {
     const code = err.code ? ` [${err.code}]` : "";
     showError(`Server: ${err.message || "unknown error"}${code}`);
-    if (!this.live) {
+    if (!this.opened) {
       // Refused before the session opened (bad voice, server full, ...): nothing more can happen.
       this.fail(null);
     }
@@ -263,7 +267,7 @@ class Conversation {
       this.teardown("closed", `${this.counts.sent} frames sent, ${this.counts.received} received`);
       return;
     }
-    if (!this.live && e.code === 1006 && !this.sessionClosed) {
+    if (!this.opened && e.code === 1006) {
       return this.fail(`could not connect to ${realtimeUrl()} (${describeClose(e.code, e.reason)})`);
     }
     this.fail(`Connection: ${describeClose(e.code, e.reason)}`);
@@ -273,7 +277,7 @@ class Conversation {
     if (this.ended || this.closeWanted) return;
     this.closeWanted = true;
     this.stopAudio();
-    if (this.ws && this.ws.readyState === WebSocket.OPEN && this.live) {
+    if (this.ws && this.ws.readyState === WebSocket.OPEN && this.opened && !this.sessionClosed) {
       setState("closing");
       this.send({ type: "session.close" });
       this.closeTimer = setTimeout(() => this.ws.close(1000, "client stop"), CLOSE_WAIT_MS);
