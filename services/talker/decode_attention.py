@@ -53,6 +53,7 @@ def decode_attention_reference(q, ring_k, ring_v, k_scale, v_scale, slots, n_val
     valid = torch.arange(C, device=q.device)[None, :] < n_valid[:, None]  # [B, C]
     scores = torch.einsum("bhd,bhcd->bhc", q.float(), keys) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    values = values.masked_fill(~valid[:, None, :, None], 0.0)  # never read past the valid entries
     return torch.einsum("bhc,bhcd->bhd", scores.softmax(-1), values).to(q.dtype)
 
 
