@@ -135,6 +135,7 @@ class Pipeline:
         self._closing = False
         self._tasks: list[asyncio.Task] = []
         self._decoder_done = asyncio.Event()
+        self._last_output_at = 0.0
         self.cleanup_confirmed: bool | None = None
 
     @property
@@ -242,7 +243,7 @@ class Pipeline:
             input_seq, text = self._text.pop(pcm.seq, (None, ""))
             if input_seq is None:
                 raise PipelineError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced", "decoder")
-            now = time.monotonic()
+            now = self._last_output_at = time.monotonic()
             sent = self._sent_at.get(input_seq, now)
             for s in [s for s in self._sent_at if s <= input_seq]:
                 del self._sent_at[s]
@@ -260,13 +261,17 @@ class Pipeline:
             raise PipelineError("runtime_stream_failed", f"{stage} ended the stream before the session closed", stage)
 
     async def _watchdog(self) -> None:
-        """Output is due for every input frame past the model's delay; no progress -> stalled."""
+        """Output is due for every input frame past the model's delay. With frames due and no
+        output for `stall_timeout_s` (a backlog that still moves is not a stall), fail typed."""
         period = min(0.25, self._stall_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             due = [t for s, t in self._sent_at.items() if s >= self.output_delay_frames]
-            if due and time.monotonic() - min(due) > self._stall_timeout_s:
-                self._fail(PipelineError("stage_stalled", f"no output for {self._stall_timeout_s:.1f}s while {len(due)} frame(s) are due", None))
+            if not due:
+                continue
+            waiting = time.monotonic() - max(self._last_output_at, min(due))
+            if waiting > self._stall_timeout_s:
+                self._fail(PipelineError("stage_stalled", f"no output for {waiting:.1f}s while {len(due)} frame(s) are due"))
                 return
 
     # ---- failure and close -------------------------------------------------
