@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--talker-tick-ms", type=float, default=None, help="talker clock period (default: the talker's, 80)")
+    p.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--stall-timeout 10'")
     a = p.parse_args(argv)
     say = lambda msg: print(f"[run_stack] {msg}", flush=True)  # noqa: E731
     if a.checkpoint:
@@ -178,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
         say("preparing the embedded tiny checkpoint ...")
         ckpt = ensure_checkpoint("tiny", seed=0)
-    stack = Stack(ckpt, sessions=a.sessions, cells=a.cells, device=a.device, port=a.port, host=a.host, progress=say)
+    talker_args = ["--tick-ms", str(a.talker_tick_ms)] if a.talker_tick_ms else []
+    stack = Stack(ckpt, sessions=a.sessions, cells=a.cells, device=a.device, port=a.port, host=a.host, progress=say,
+                  talker_args=talker_args, gateway_args=a.gateway_args.split())
     stopping = False
 
     def on_signal(signum, frame):
@@ -205,13 +209,16 @@ PersonaPlex stack is up ({a.cells} cell(s), {a.sessions} session(s) each, checkp
 Ctrl-C stops everything.""",
             flush=True,
         )
+        reported = set()
         while not stopping:
             time.sleep(0.5)
-            for cell in stack.cell_procs:
+            # A stage that exits takes only its cell out; the gateway sends new sessions elsewhere.
+            for i, cell in enumerate(stack.cell_procs):
                 for proc in cell.all():
-                    if proc.proc.poll() is not None:
-                        say(f"{proc.module} on {proc.address} exited with code {proc.proc.returncode}:\n{proc.stderr_tail(2000)}")
-                        stopping = True
+                    if proc.proc.poll() is not None and proc not in reported:
+                        reported.add(proc)
+                        say(f"cell {i}: {proc.module} on {proc.address} exited with code {proc.proc.returncode}; "
+                            f"its cell is out of service. Last output:\n{proc.stderr_tail(1500)}")
             if g.proc.poll() is not None:
                 say(f"gateway exited with code {g.proc.returncode}:\n{g.log_tail(2000)}")
                 stopping = True
