@@ -5,7 +5,8 @@ as its fake microphone. Playwright drives the page the gateway serves at `/`: pr
 page must open a session, stream the microphone (the gateway's own frames-in counter grows),
 play the model's audio (its played-frames counter grows, with a non-silent level), show the
 model's transcript and a heartbeat round trip, and close cleanly on Stop. A voice the server
-does not have must come back as an error in plain words, and the page must work after it.
+does not have, and a second tab while the only slot is taken, must come back as errors in plain
+words, and the page must work after (and alongside) them.
 
 The audio worklets (resampling to and from 24 kHz, 80 ms chunks, the jitter buffer) are also
 checked on their own in the same browser, through an OfflineAudioContext, with exact numbers.
@@ -224,8 +225,19 @@ def test_talk_from_the_browser(stack, page):
     lag = c["lag-frames"]
     assert lag == sent - received and c["lag-ms"] == 80 * lag, c
     assert re.fullmatch(r"-?[0-9]+ dBFS", text_of(page, "#mic-level"))
+    assert re.fullmatch(r"; the model's own delay is [0-9]+", text_of(page, "#model-delay"))  # from session.capabilities
     assert len(text_of(page, "#transcript")) > 0
     assert metric(base, "gateway_sessions_active", 'protocol="realtime"') == 1
+
+    # A second tab while the only slot is taken: refused in plain words; the first conversation goes on.
+    other = page.context.new_page()
+    other.goto(base + "/")
+    other.fill("#persona", "You like browsers.")
+    other.click("#talk")
+    wait_for(other, "document.getElementById('state').dataset.state === 'error'", 30, "the second tab to be refused")
+    assert "resource_exhausted" in text_of(other, "#error"), text_of(other, "#error")
+    other.close()
+    assert page.get_attribute("#state", "data-state") == "live" and page.is_hidden("#error")
 
     # Stop: session.close, the server confirms, audio is torn down, the slot is free again.
     page.click("#stop")

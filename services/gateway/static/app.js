@@ -198,6 +198,11 @@ class Conversation {
       case "session.created":
         this.opened = this.live = true;
         setState("live");
+        {
+          // The model's own delay: how far behind the output may be on a server that keeps up.
+          const delay = ev.session && ev.session.capabilities && ev.session.capabilities.output_delay_frames;
+          $("model-delay").textContent = Number.isInteger(delay) ? `; the model's own delay is ${delay}` : "";
+        }
         this.heartbeat = setInterval(() => this.ping(), HEARTBEAT_MS);
         this.ping();
         break;
@@ -347,6 +352,7 @@ $("talk").addEventListener("click", () => {
   clearError();
   $("transcript").textContent = "";
   $("rtt-ms").textContent = "–";
+  $("model-delay").textContent = "";
   $("talk").disabled = true;
   $("stop").disabled = false;
   current = new Conversation({ voice, instructions: $("persona").value });
