@@ -12,13 +12,14 @@ step reads (`offset`), the first frame that is the model's own (`start`) and the
 parameters. Every step runs all S rows (static shapes, no per-slot Python loop); inactive
 slots are computed and thrown away, and their state is left exactly as it was.
 
-Timing (upstream moshi 0.2.13, not the PersonaPlex fork). A live step at offset o:
-  1. writes the user codes of this frame into column o (q0, delay 0) and o+1 (q1..q7, delay 1),
-  2. runs the transformer on column o: text and agent q0 of frame o-1, agent q1..q7 of frame
-     o-2, user q0 of frame o, user q1..q7 of frame o-1 (the initial token for frames <= 0),
+Timing (upstream moshi 0.2.13, not the PersonaPlex fork). Column c, stream k holds frame
+c - delay[k]. A live step at offset o takes the user codes as frame o and:
+  1. writes them into column o (q0, delay 0) and o+1 (q1..q7, delay 1),
+  2. runs the transformer on column o: text, agent q0 and user q0 of frame o, agent and user
+     q1..q7 of frame o-1 (the initial token for frames <= 0),
   3. samples the text token and agent q0 of frame o+1 and agent q1..q7 of frame o, stored
      in column o+1 (entries of prompt frames are teacher-forced and kept),
-  4. returns frame o+1-max_delay = o: text/q0 from the previous step, q1..q7 from this one.
+  4. returns frame o+1-max_delay = o: text/q0 sampled by the previous step, q1..q7 by this one.
 So the first step of a bare session (no prompt) returns nothing, exactly like moshi's LMGen,
 and `output_delay_frames` = max_delay = 1. The fork reads column o-1 instead (one frame more
 delay, two silent steps). With a prompt of F frames (frame 0 is the start frame), prefill runs
@@ -34,7 +35,6 @@ a voice: its KV is computed once per voice (`_VoicePrefix`) and copied into the 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -362,6 +362,7 @@ class TalkerEngine:
                 raise InvalidVoice(f"voice {name!r} is not available (no checkpoint directory)")
             path = self.paths.resolve_voice(name)  # InvalidVoice for anything but a bundled basename
             self._voice_files[name] = load_voice(path, self.cfg.dim, self.cfg.delays, self.text_card, self.card)
+            log.info("voice %s loaded: %d frames (its KV is computed once, on first use)", name, self._voice_files[name].frames)
         if name not in self._voice_kv:
             self._voice_kv[name] = _VoicePrefix(self, self._voice_files[name])
         return self._voice_kv[name]
