@@ -79,9 +79,11 @@ class LMConfig:
 
     @classmethod
     def tiny(cls) -> "LMConfig":
-        """Same structure, tiny widths: a CPU step for 8 slots takes milliseconds.
+        """Same structure, tiny widths: a CPU step for 8 slots takes milliseconds. The context
+        (256 frames, ~20 s) leaves room for a voice prompt and a persona of a couple of hundred
+        tokens; tests that exercise the ring wrap pass a smaller one.
         hidden sizes are what moshi derives from hidden_scale 4.125 (2/3 of int(4.125 * dim))."""
-        return cls(dim=64, num_layers=2, num_heads=4, hidden=176, context=32, text_card=512,
+        return cls(dim=64, num_layers=2, num_heads=4, hidden=176, context=256, text_card=512,
                    card=2048, n_q=16, dep_q=16, dep_dim=32, dep_layers=2, dep_heads=2, dep_hidden=88,
                    delays=_FULL_DELAYS)
 
