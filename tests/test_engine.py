@@ -33,8 +33,8 @@ def paths(tiny_checkpoint) -> CheckpointPaths:
     return CheckpointPaths.open(tiny_checkpoint)
 
 
-def engine(paths, slots=4, context=None) -> TalkerEngine:
-    return TalkerEngine.from_checkpoint(paths, slots=slots, context=context)
+def engine(paths, slots=4, context=None, kv_fp8=False) -> TalkerEngine:
+    return TalkerEngine.from_checkpoint(paths, slots=slots, context=context, kv_fp8=kv_fp8)
 
 
 def user_frames(n: int, seed: int) -> torch.Tensor:
@@ -87,9 +87,9 @@ def test_greedy_parity_with_moshi_lmgen(paths):
     pytest.importorskip("moshi.models.lm", reason="the reference moshi==0.2.13 is a test dependency")
     from moshi.models.lm import LMGen
 
-    eng = engine(paths, slots=2)
-    # moshi with 8 depformer steps = the engine's resident model (agent codebooks only)
-    ref = moshi_lm(eng.cfg.replace(dep_q=8), eng.model.state_dict())
+    eng = engine(paths, slots=2, context=32)
+    # moshi with 8 depformer steps = the engine's resident model (agent codebooks only), same window
+    ref = moshi_lm(eng.cfg.replace(dep_q=8, context=32), eng.model.state_dict())
     gen = LMGen(ref, use_sampling=False)
     T = 104
     users = torch.stack([user_frames(T, 1), user_frames(T, 2)], dim=1)  # [T, 2, 8]
@@ -206,16 +206,18 @@ def test_voice_kv_is_computed_once_and_shared(paths):
 # ---------------------------------------------------------------------------- slot independence
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(seed=1234)])
-def test_session_output_does_not_depend_on_other_sessions(paths, sampling):
+@pytest.mark.parametrize("sampling,kv_fp8", [(GREEDY, False), (SamplingParams(seed=1234), False), (GREEDY, True)],
+                         ids=["greedy", "sampled", "greedy-fp8-kv"])
+def test_session_output_does_not_depend_on_other_sessions(paths, sampling, kv_fp8):
     T = 30
     mine = user_frames(T, 10)
-    alone = engine(paths, slots=4)
+    alone = engine(paths, slots=4, kv_fp8=kv_fp8)
+    assert alone.kv.k.dtype == (torch.float8_e4m3fn if kv_fp8 else torch.float32)
     job = alone.begin(0, "NATF2.pt", PERSONA, sampling)
     prefill(job, 8)
     expected = run_session(alone, 0, mine)
 
-    eng = engine(paths, slots=4)
+    eng = engine(paths, slots=4, kv_fp8=kv_fp8)
     S = eng.num_slots
     others = {1: user_frames(200, 11), 3: user_frames(200, 12), 0: user_frames(200, 13)}
     # slot 1: a live bare session before mine starts; slot 3 prefilling at the same time as mine

@@ -70,7 +70,7 @@ class _VoicePrefix:
 
     def __init__(self, engine: "TalkerEngine", voice: VoicePrompt):
         self.voice = voice
-        self.kv = engine.model.new_kv_cache(1, dtype=engine.kv.k.dtype, context=engine.context)
+        self.kv = engine.model.new_kv_cache(1, context=engine.context, **engine._kv_format)  # same format: copyable
         self.total = voice.frames - 1
         self.done = 0
         self._model = engine.model
@@ -142,9 +142,10 @@ class PrefillJob:
 
 class TalkerEngine:
     def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
-                 context: int | None = None, kv_dtype: torch.dtype | None = None,
+                 context: int | None = None, kv_dtype: torch.dtype | None = None, kv_fp8: bool = False,
                  voices: dict[str, VoicePrompt] | None = None):
-        """`voices` adds in-memory voices by name ("NATF2.pt"), e.g. from
+        """context: the KV ring / attention window (default: the model's). kv_fp8: store the ring as
+        fp8 with per-vector scales. `voices` adds in-memory voices by name ("NATF2.pt"), e.g. from
         tools.make_checkpoint.build_random_checkpoint on a GPU; others come from paths.voices_dir."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
@@ -155,7 +156,8 @@ class TalkerEngine:
         self.num_slots = slots
         self.text_card, self.card = cfg.text_card, cfg.card
         self.device = model.device
-        self.kv = model.new_kv_cache(slots, dtype=kv_dtype, context=context)
+        self._kv_format = dict(dtype=kv_dtype, fp8=kv_fp8)
+        self.kv = model.new_kv_cache(slots, context=context, **self._kv_format)
         self.context = self.kv.context
         self.output_delay_frames = cfg.max_delay
         if RING < cfg.max_delay + 3:
@@ -184,11 +186,12 @@ class TalkerEngine:
 
     @classmethod
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, context: int | None = None) -> "TalkerEngine":
+                        dtype: torch.dtype = torch.float32, context: int | None = None,
+                        kv_fp8: bool = False) -> "TalkerEngine":
         section = paths.serve_config()
         cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
         model = LMModel.load(paths.lm, cfg, device=device, dtype=dtype, dep_steps=AGENT_CODEBOOKS)
-        return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context)
+        return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8)
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -305,12 +308,9 @@ class TalkerEngine:
         entry each inactive slot had overwritten is put back and its length restored."""
         kv = self.kv
         idx = kv.length % kv.context  # [S]: the ring index each row writes
-        rows = kv.all_slots  # the LM's fast path for "every slot, in order"
-        saved_k, saved_v = kv.k[:, rows, :, idx], kv.v[:, rows, :, idx]  # [S, layers, H, Dh]
-        h = self.model.temporal(x, kv, rows)
-        keep = (~act)[:, None, None, None]
-        kv.k[:, rows, :, idx] = torch.where(keep, saved_k, kv.k[:, rows, :, idx])
-        kv.v[:, rows, :, idx] = torch.where(keep, saved_v, kv.v[:, rows, :, idx])
+        saved = kv.save_entries(idx)
+        h = self.model.temporal(x, kv, kv.all_slots)  # all_slots: the LM's sync-free path for every slot
+        kv.restore_entries(idx, saved, keep=~act)
         kv.length -= (~act).long()
         return h
 
@@ -368,9 +368,7 @@ class TalkerEngine:
         return self._voice_kv[name]
 
     def _copy_voice_kv(self, slot: int, prefix: _VoicePrefix) -> None:
-        self.kv.k[:, slot].copy_(prefix.kv.k[:, 0])
-        self.kv.v[:, slot].copy_(prefix.kv.v[:, 0])
-        self.kv.length[slot] = prefix.kv.length[0]
+        self.kv.copy_slot(prefix.kv, 0, slot)
 
     def _persona_tokens(self, persona: str) -> list[int]:
         if not isinstance(persona, str):
