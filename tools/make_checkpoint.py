@@ -48,8 +48,8 @@ log = logging.getLogger("make_checkpoint")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(__file__).resolve().with_name("tokenizer_corpus.txt")
 VOICE_NAMES = ("NATF2", "NATM1", "VARF0")
-# Voice length in frames. The tiny LM's window is 32 frames, so its voices stay short and
-# leave room for a persona of ~15 tokens in the prompt.
+# Voice length in frames (real voices are seconds long). Tiny voices stay short so that tests
+# can run a voice + persona prompt inside small attention windows.
 VOICE_FRAMES = {"tiny": 4, "full": 64}
 PRESETS = ("tiny", "full")
 
