@@ -350,6 +350,12 @@ $("talk").addEventListener("click", () => {
     return;
   }
   clearError();
+  if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
+    // Browsers give the microphone and audio worklets only to secure pages.
+    showError(`The microphone only works on a secure page: open this page over https://, or as http://localhost:${location.port || 80}/ (an SSH tunnel works), not ${location.origin}.`);
+    setState("error");
+    return;
+  }
   $("transcript").textContent = "";
   $("rtt-ms").textContent = "–";
   $("model-delay").textContent = "";
