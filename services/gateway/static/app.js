@@ -128,10 +128,14 @@ class Conversation {
         audio: { channelCount: 1, echoCancellation: true, noiseSuppression: false, autoGainControl: false },
       });
     } catch (err) {
+      if (this.ended) return; // Stop was pressed while audio was starting
       const what = err && err.name === "NotAllowedError" ? "the microphone was not allowed" : `audio could not start: ${err && err.message ? err.message : err}`;
       return this.fail(what);
     }
-    if (this.ended) return;
+    if (this.ended) {
+      this.stream.getTracks().forEach((t) => t.stop()); // Stop came while the browser asked for the mic
+      return;
+    }
     const source = this.ctx.createMediaStreamSource(this.stream);
     this.mic = new AudioWorkletNode(this.ctx, "mic-capture", { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1] });
     this.mic.port.onmessage = (e) => this.onMicChunk(e.data);
@@ -140,7 +144,7 @@ class Conversation {
     mute.gain.value = 0;
     source.connect(this.mic).connect(mute).connect(this.ctx.destination);
     await this.ctx.resume();
-    this.connect();
+    if (!this.ended) this.connect();
   }
 
   connect() {
@@ -272,6 +276,10 @@ class Conversation {
       this.teardown("closed", `${this.counts.sent} frames sent, ${this.counts.received} received`);
       return;
     }
+    if (this.sessionClosed && e.code === 1000) {
+      this.teardown("closed", "the server ended the session");
+      return;
+    }
     if (!this.opened && e.code === 1006) {
       return this.fail(`could not connect to ${realtimeUrl()} (${describeClose(e.code, e.reason)})`);
     }
@@ -293,6 +301,7 @@ class Conversation {
   }
 
   fail(message) {
+    if (this.ended) return;
     if (message) showError(message);
     if (this.ws && this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000, "client gave up");
     this.teardown("error");
