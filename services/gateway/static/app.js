@@ -175,7 +175,10 @@ class Conversation {
   }
 
   onMicChunk(msg) {
-    setMeter("mic", msg.rms, msg.peak);
+    // Meter ballistics: rise at once, fall gently, so short gaps between syllables do not blink.
+    this.micRms = Math.max(msg.rms, 0.7 * (this.micRms || 0));
+    this.micPeak = Math.max(msg.peak, 0.85 * (this.micPeak || 0));
+    setMeter("mic", this.micRms, this.micPeak);
     if (!this.live || this.closeWanted) return; // before the session is open, mic audio is not sent
     this.send({ type: "input_audio_buffer.append", audio: base64FromBytes(msg.pcm) });
     this.counts.sent++;
