@@ -399,6 +399,8 @@ def test_bad_requests_are_typed_and_leave_other_sessions_alone(paths, tmp_path):
     assert eng.is_live(0) and not eng.is_live(1)
     with pytest.raises(IndexError):
         eng.begin(2, None, PERSONA, GREEDY)
+    with pytest.raises(ValueError, match="cuda_graph needs"):
+        TalkerEngine(eng.model, eng.tokenizer, 2, cuda_graph=True)  # the model is on the CPU
     # bad steps change nothing
     offset = eng.offset.clone()
     with pytest.raises(ValueError, match="user codes"):

@@ -143,9 +143,10 @@ class PrefillJob:
 class TalkerEngine:
     def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
                  context: int | None = None, kv_dtype: torch.dtype | None = None, kv_fp8: bool = False,
-                 voices: dict[str, VoicePrompt] | None = None):
+                 voices: dict[str, VoicePrompt] | None = None, cuda_graph: bool = False):
         """context: the KV ring / attention window (default: the model's). kv_fp8: store the ring as
-        fp8 with per-vector scales. `voices` adds in-memory voices by name ("NATF2.pt"), e.g. from
+        fp8 with per-vector scales. cuda_graph: replay the device part of step() as a captured CUDA
+        graph (one per distinct top-k bound, captured on first use) instead of launching it eagerly. `voices` adds in-memory voices by name ("NATF2.pt"), e.g. from
         tools.make_checkpoint.build_random_checkpoint on a GPU; others come from paths.voices_dir."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
@@ -182,16 +183,21 @@ class TalkerEngine:
         self._live = [False] * slots
         self._jobs: list[PrefillJob | None] = [None] * slots
         self._voice_files: dict[str, VoicePrompt] = dict(voices or {})
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph needs the model on a CUDA device")
+        self.cuda_graph = cuda_graph
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (text max_k, audio max_k) -> graph, inputs, outputs
         self._voice_kv: dict[str, _VoicePrefix] = {}
 
     @classmethod
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, context: int | None = None,
-                        kv_fp8: bool = False) -> "TalkerEngine":
+                        kv_fp8: bool = False, cuda_graph: bool = False) -> "TalkerEngine":
         section = paths.serve_config()
         cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
         model = LMModel.load(paths.lm, cfg, device=device, dtype=dtype, dep_steps=AGENT_CODEBOOKS)
-        return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8)
+        return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8,
+                   cuda_graph=cuda_graph)
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -260,7 +266,32 @@ class TalkerEngine:
         if not any(act_list):  # nothing to advance: skip the model entirely
             none = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=dev)
             return StepResult(none[:, 0], none[:, 1:], torch.zeros(S, dtype=torch.bool, device=dev))
+        if self.cuda_graph:
+            return self._replay(user_codes, active)
         return self._advance(user_codes.to(dev, non_blocking=True), active.to(dev, non_blocking=True))
+
+    def _replay(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
+        """step() through a captured graph. Capture and its warm-up run with every slot inactive,
+        which leaves all state as it was (that is what `_advance` guarantees for inactive rows)."""
+        key = (self._max_k(self._text_k, self.text_card), self._max_k(self._audio_k, self.card))
+        if key not in self._graphs:
+            codes = torch.zeros(self.num_slots, AGENT_CODEBOOKS, dtype=torch.long, device=self.device)
+            act = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._advance(codes, act)  # warm-up: lazy inits and autotuning happen outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._advance(codes, act)
+            self._graphs[key] = (graph, codes, act, out)
+            log.info("captured the step as a CUDA graph for top-k bounds %s (%d graphs)", key, len(self._graphs))
+        graph, codes, act, out = self._graphs[key]
+        codes.copy_(user_codes, non_blocking=True)
+        act.copy_(active, non_blocking=True)
+        graph.replay()
+        return StepResult(out.text_tokens.clone(), out.agent_codes.clone(), out.has_output.clone())
 
     def _advance(self, codes: torch.Tensor, act: torch.Tensor) -> StepResult:
         """The device part of a step: fixed shapes, no host syncs, state updated in place
@@ -315,9 +346,12 @@ class TalkerEngine:
         return h
 
     @staticmethod
-    def _params(p: RowParams, host_k: list[int], vocab: int) -> RowParams:
-        ks = [vocab if k <= 0 else min(k, vocab) for k in host_k]
-        return RowParams(p.greedy, p.temperature, torch.where(p.top_k <= 0, vocab, p.top_k.clamp(max=vocab)), max(ks))
+    def _max_k(host_k: list[int], vocab: int) -> int:
+        return max(vocab if k <= 0 else min(k, vocab) for k in host_k)
+
+    def _params(self, p: RowParams, host_k: list[int], vocab: int) -> RowParams:
+        top_k = torch.where(p.top_k <= 0, vocab, p.top_k.clamp(max=vocab))
+        return RowParams(p.greedy, p.temperature, top_k, self._max_k(host_k, vocab))
 
     # ---- slot state ----------------------------------------------------------------------------
 
