@@ -12,6 +12,7 @@ import json
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 import sphn
@@ -131,8 +132,17 @@ def check_output(rt: RT, min_frames: int) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint):
-    with Stack(tiny_checkpoint, sessions=2, gateway_args=GATEWAY_ARGS) as s:
+    # The codec stages have a spare slot, so the talker is the stage that refuses a third session.
+    with Stack(tiny_checkpoint, sessions=2, codec_args=["--slots", "3"], gateway_args=GATEWAY_ARGS) as s:
         yield s
+
+
+def stage_capacity(stack, stage: str):
+    from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc
+
+    stub = {"encoder": encoder_pb2_grpc.EncoderStub, "decoder": decoder_pb2_grpc.DecoderStub}[stage]
+    with grpc.insecure_channel(getattr(stack.cell_procs[0], stage).address) as ch:
+        return stub(ch).GetCapacity(common_pb2.CapacityRequest(), timeout=5)
 
 
 def http_get(url: str) -> tuple[int, bytes, str]:
@@ -173,6 +183,9 @@ async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(s
     with pytest.raises(ConnectionClosed):
         while True:
             assert (await c.recv(30))["type"] != "session.created"
+    # Nothing half-opened: the encoder and decoder streams the talker's refusal left are closed again.
+    for stage in ("encoder", "decoder"):
+        assert stage_capacity(stack, stage).active_streams == 2, stage
 
     n = 12
     await asyncio.gather(paced(a, tone(n, 220)), paced(b, tone(n, 330, seed=1)))

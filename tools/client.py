@@ -70,6 +70,7 @@ class Result:
     errors: list[dict] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     session: dict | None = None
+    closed: dict | None = None
 
     @property
     def samples(self) -> np.ndarray:
@@ -108,6 +109,7 @@ async def converse(url: str, samples: np.ndarray, *, voice: str = "", persona: s
                     if result.session is None:  # refused at open
                         break
                 elif t == "session.closed":
+                    result.closed = ev
                     break
             closed.set()
 
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     write_wav(a.output, out)
     print(f"wrote {out.size / SAMPLE_RATE:.1f}s of audio ({len(result.audio)} frames) to {a.output} in {time.monotonic() - t0:.1f}s; "
           f"transcript: {''.join(result.text)!r}", file=sys.stderr)
+    if result.closed:
+        print(f"server-side frame latency (input frame in -> its output out): {result.closed.get('frame_latency')}", file=sys.stderr)
     return 1 if result.errors else 0
 
 

@@ -48,6 +48,9 @@ class Cell:
     # Sessions admitted here since the last poll: keeps two quick admissions from both
     # picking a cell whose polled free count is one.
     admitted_since_poll: int = 0
+    # Sessions this gateway holds on the cell now (exact for this gateway; other gateways show
+    # only in the polled free counts).
+    live_sessions: int = 0
     last_poll_ok: float = 0.0
     last_error: dict = field(default_factory=dict)  # stage -> why its last poll failed (logged on change)
 
@@ -133,7 +136,7 @@ class CellPool:
         been freed since, and the stage's own RESOURCE_EXHAUSTED is the authoritative answer.
         """
         ok = [c for c in self.cells.values() if c.serving and not c.draining]
-        return sorted(ok, key=lambda c: (-c.free_slots, c.name))
+        return sorted(ok, key=lambda c: (c.free_slots == 0, c.live_sessions / max(1, c.total_slots), -c.free_slots, c.name))
 
     def healthy(self) -> bool:
         """True when every stage of at least one cell is serving."""

@@ -129,6 +129,7 @@ class Pipeline:
         self.on_error: Callable[[PipelineError], None] = lambda e: None
         self.frames_in = 0
         self.frames_out = 0
+        self.latencies: list[float] = []  # per output frame, seconds (for the session's summary)
         self._sent_at: dict[int, float] = {}
         self._text: dict[int, tuple[int, str]] = {}
         self._failed: PipelineError | None = None
@@ -137,10 +138,18 @@ class Pipeline:
         self._decoder_done = asyncio.Event()
         self._last_output_at = 0.0
         self.cleanup_confirmed: bool | None = None
+        self._abort_task: asyncio.Future | None = None
 
     @property
     def output_delay_frames(self) -> int:
         return int(self.ready.output_delay_frames)
+
+    def latency_summary(self) -> dict:
+        if not self.latencies:
+            return {"frames": 0}
+        ms = np.asarray(self.latencies) * 1000.0
+        return {"frames": int(ms.size), "p50_ms": round(float(np.median(ms)), 1), "p99_ms": round(float(np.percentile(ms, 99)), 1),
+                "max_ms": round(float(ms.max()), 1)}
 
     @property
     def failed(self) -> PipelineError | None:
@@ -174,6 +183,7 @@ class Pipeline:
             raise _open_failure(cell, failures)
         calls = {s: results[s][0] for s in STAGES}
         p = cls(cell, params, calls, results["talker"][1].ready, stall_timeout_s, cleanup_timeout_s)
+        cell.live_sessions += 1
         p._start()
         return p
 
@@ -248,6 +258,8 @@ class Pipeline:
             for s in [s for s in self._sent_at if s <= input_seq]:
                 del self._sent_at[s]
             self.frames_out += 1
+            if len(self.latencies) < 100_000:
+                self.latencies.append(now - sent)
             self.on_output(OutputFrame(pcm.seq, input_seq, f32_from_frame_bytes(pcm.pcm_f32le), text, now - sent))
         await self._expect_ok("decoder")
         self._decoder_done.set()
@@ -298,8 +310,11 @@ class Pipeline:
     async def abort(self) -> bool:
         """End all three streams now. Returns True when each stage acknowledged the end."""
         self._closing = True
-        if self.cleanup_confirmed is not None:
-            return self.cleanup_confirmed
+        if self._abort_task is None:  # one cleanup, however many callers
+            self._abort_task = asyncio.ensure_future(self._abort())
+        return await asyncio.shield(self._abort_task)
+
+    async def _abort(self) -> bool:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -308,6 +323,7 @@ class Pipeline:
         # every stage that is still alive did.
         failed_stage = self._failed.stage if self._failed else None
         self.cleanup_confirmed = all(ok or s == failed_stage for s, ok in zip(STAGES, oks))
+        self.cell.live_sessions -= 1
         if not self.cleanup_confirmed:
             log.error(
                 "session %s: cleanup not confirmed within %.1fs by %s",

@@ -554,19 +554,26 @@ class RealtimeSession:
         if self.st.pipeline is not None or self.st.response_created:
             self._response_created()
             self.emit({"type": "response.done", "response": self._response_object(status)})
-        self.emit({"type": "session.closed", "session_id": self.session_id, "frames_out": self.st.frames_out,
-                   "cleanup_confirmed": self._cleanup_confirmed})
+        p = self.st.pipeline
+        self.emit({"type": "session.closed", "session_id": self.session_id, "frames_in": p.frames_in if p else 0,
+                   "frames_out": self.st.frames_out, "cleanup_confirmed": self._cleanup_confirmed,
+                   "frame_latency": p.latency_summary() if p else {"frames": 0}})
 
     _cleanup_confirmed: bool | None = None
+    _release_task: asyncio.Future | None = None
 
     async def _release(self, graceful: bool) -> None:
-        """End the pipeline's streams (once); socket drops come here too."""
-        p = self.st.pipeline
-        if p is None or self._cleanup_confirmed is not None:
+        """End the pipeline's streams, once, however many paths (close, drop, failure) ask."""
+        if self.st.pipeline is None:
             return
+        if self._release_task is None:
+            self._release_task = asyncio.ensure_future(self._release_once(self.st.pipeline, graceful))
+        await asyncio.shield(self._release_task)
+
+    async def _release_once(self, p: Pipeline, graceful: bool) -> None:
         self._cleanup_confirmed = await (p.close() if graceful else p.abort())
         if not self._cleanup_confirmed:
             self.ctx.metrics.cleanup_unconfirmed.inc()
         self.ctx.metrics.sessions_active.labels("realtime").dec()
-        log.info("session %s released (frames in %d, out %d, cleanup %s)", self.session_id, p.frames_in, p.frames_out,
-                 "confirmed" if self._cleanup_confirmed else "NOT confirmed")
+        log.info("session %s released (frames in %d, out %d, latency %s, cleanup %s)", self.session_id, p.frames_in, p.frames_out,
+                 p.latency_summary(), "confirmed" if self._cleanup_confirmed else "NOT confirmed")
