@@ -225,7 +225,7 @@ def test_talk_from_the_browser(stack, page):
     # Model audio arrived and was played; output never runs ahead of input (read after `received`).
     assert played >= 5 and received >= played and received <= frames_in, (played, received, frames_in)
     model_rms = float(page.get_attribute("#model-level", "data-rms"))
-    assert model_rms > 1e-6, model_rms
+    assert model_rms > 1e-3, model_rms  # the tiny random model's audio is around 0.08 rms
     lag = c["lag-frames"]
     assert lag == sent - received and c["lag-ms"] == 80 * lag, c
     assert re.fullmatch(r"-?[0-9]+ dBFS", text_of(page, "#mic-level"))
@@ -248,6 +248,9 @@ def test_talk_from_the_browser(stack, page):
     wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 15, "the session to close")
     assert page.is_hidden("#error"), text_of(page, "#error")
     assert page.is_enabled("#talk") and not page.is_enabled("#stop")
+    mic_after_stop = page.get_attribute("#mic-level", "data-rms")
+    page.wait_for_timeout(400)  # five mic chunks' worth: the meter would move if the mic were still running
+    assert page.get_attribute("#mic-level", "data-rms") == mic_after_stop
     # Appends are handled in order before session.close, so the server got exactly what the page sent.
     sent_total = counters(page)["sent-frames"]
     assert metric(base, "gateway_frames_in_total") - frames_in_before == sent_total
