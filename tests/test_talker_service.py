@@ -200,9 +200,13 @@ async def open_error(stub, *requests) -> tuple[grpc.StatusCode, str]:
     call = stub.Talk()
     for r in requests:
         await call.write(r)
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+
+    async def read_to_end():
         while (await call.read()) is not grpc.aio.EOF:
             pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(read_to_end(), 30)  # a TimeoutError here means: not refused
     return e.value.code(), e.value.details()
 
 
@@ -383,10 +387,8 @@ async def test_slot_reuse_after_cancel_and_disconnect_carries_nothing(tiny_check
 BAD_OPENS = [
     (open_msg("v", voice="../model.safetensors"), grpc.StatusCode.INVALID_ARGUMENT, "voice"),
     (open_msg("v", voice="NOPE.pt"), grpc.StatusCode.INVALID_ARGUMENT, "voice"),
-    (open_msg("p", persona="x" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
+    (open_msg("p", persona="x" * 100_001), grpc.StatusCode.INVALID_ARGUMENT, "persona"),  # over max_persona_chars
     (open_msg("p", persona="bad\x00byte"), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
-    # short enough in characters, too long in frames for the tiny model's window: refused by engine.begin
-    (open_msg("p", persona="You are a friendly assistant. " * 8), grpc.StatusCode.INVALID_ARGUMENT, "persona"),
     (open_msg("t", greedy=False, text_temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (open_msg("t", greedy=False, audio_temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (open_msg("k", greedy=False, audio_top_k=5000), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
@@ -396,8 +398,12 @@ BAD_OPENS = [
 
 
 async def test_bad_open_and_bad_frames_get_typed_errors_and_change_nothing(tiny_checkpoint):
-    async with Service(config(tiny_checkpoint)) as s:
-        for req, code, word in BAD_OPENS:
+    # A persona within the character bound whose prompt is longer than the model's attention
+    # window (every copy is several tokens): only engine.begin can refuse it, after a slot was taken.
+    too_long = "You are a friendly assistant. " * (engine(tiny_checkpoint, "served").context // 4 + 1)
+    async with Service(config(tiny_checkpoint, max_persona_chars=100_000)) as s:
+        bad_opens = [*BAD_OPENS, (open_msg("w", persona=too_long), grpc.StatusCode.INVALID_ARGUMENT, "persona")]
+        for req, code, word in bad_opens:
             got, details = await open_error(s.stub, req)
             assert got == code and word in details.lower(), (req, got, details)
         await s.wait_free(SLOTS)  # every refused session left its slot (if it took one) free
