@@ -358,3 +358,16 @@ async def test_health_metrics_static_and_routing(stack):
     with pytest.raises(InvalidStatus) as e:
         await connect(stack.gateway.ws_url.replace("duplex=1", "duplex=0"))
     assert e.value.response.status_code == 400
+
+
+async def test_legacy_event_names_only_on_request_and_never_both(stack):
+    rt = await RT.connect(stack.gateway.ws_url.replace("duplex=1", "duplex=true&legacy_events=1"))
+    created = await rt.open()
+    assert created["type"] == "session.created" and created["session"]["event_names"] == "legacy"
+    await paced(rt, tone(4))
+    deadline = time.monotonic() + 90
+    while len(rt.of("response.audio_transcript.delta")) < 2 and time.monotonic() < deadline:
+        assert (await rt.recv(90))["type"] != "error"
+    await rt.close()
+    assert len(rt.of("response.audio.delta")) >= 2 and len(rt.of("response.audio_transcript.delta")) >= 2
+    assert not rt.of("response.output_audio.delta") and not rt.of("response.output_audio_transcript.delta")
