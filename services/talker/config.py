@@ -27,6 +27,8 @@ class TalkerConfig:
     device: str = "cpu"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) or one of DTYPES
     context: int = 0  # temporal attention window / KV ring in frames (0 = the checkpoint's)
+    kv_fp8: bool = False  # store the KV ring in fp8 (half the memory per slot)
+    cuda_graph: bool = False  # replay the step as a captured CUDA graph (CUDA only; much faster there)
     tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
@@ -44,6 +46,8 @@ class TalkerConfig:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graph needs a CUDA device, got device {self.device!r}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0 (0 = the checkpoint's), got {self.context}")
         if self.prefill_chunk_frames < 1:
