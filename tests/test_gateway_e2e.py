@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import subprocess
 import time
 import urllib.request
 
@@ -19,6 +20,7 @@ import sphn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from tools.procs import REPO_ROOT, free_port
 from tools.run_stack import GatewayProcess, Stack
 
 SR, FRAME = 24_000, 1920
@@ -371,3 +373,44 @@ async def test_legacy_event_names_only_on_request_and_never_both(stack):
     await rt.close()
     assert len(rt.of("response.audio.delta")) >= 2 and len(rt.of("response.audio_transcript.delta")) >= 2
     assert not rt.of("response.output_audio.delta") and not rt.of("response.output_audio_transcript.delta")
+
+
+async def test_socket_drop_ends_the_session_in_all_three_stages(stack):
+    from duplex.v1 import common_pb2, talker_pb2_grpc
+
+    def talker_active() -> int:
+        with grpc.insecure_channel(stack.cell_procs[0].talker.address) as ch:
+            return talker_pb2_grpc.TalkerStub(ch).GetCapacity(common_pb2.CapacityRequest(), timeout=5).active_streams
+
+    rt = await RT.connect(stack.gateway.ws_url)
+    assert (await rt.open())["type"] == "session.created"
+    await paced(rt, tone(3))
+    assert talker_active() == 1 and stage_capacity(stack, "encoder").active_streams == 1
+    rt.ws.transport.abort()  # no close frame: the TCP connection just goes away
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        counts = (talker_active(), stage_capacity(stack, "encoder").active_streams, stage_capacity(stack, "decoder").active_streams)
+        if counts == (0, 0, 0):
+            break
+        await asyncio.sleep(0.2)
+    assert counts == (0, 0, 0), counts
+    assert metric(stack, "gateway_sessions_active") == 0
+
+
+async def test_no_serving_cell_means_503_and_a_typed_open_failure():
+    dead = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))  # nothing listens there
+    gw = GatewayProcess(dead, args=["--poll-interval", "0.2"])
+    # Not gw.start(): that waits for a healthy gateway, and this one must never become healthy.
+    gw.proc = subprocess.Popen(gw.cmd, cwd=REPO_ROOT, env=gw.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while (h := gw.health()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert h is not None and h[0] == 503 and h[1]["serving_cells"] == 0
+        rt = await RT.connect(gw.ws_url + "&model=personaplex")  # autostart: the session opens at connect
+        ev = await rt.recv(30)
+        assert ev["type"] == "error" and ev["error"]["type"] == "server_error" and ev["error"]["code"] == "runtime_open_failed"
+        with pytest.raises(ConnectionClosed):
+            await rt.recv(30)
+    finally:
+        gw.stop()

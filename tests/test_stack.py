@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+import json
+import urllib.request
 import wave
 from pathlib import Path
 
@@ -219,6 +221,9 @@ async def test_sessions_spread_over_cells_and_a_killed_cell_fails_only_its_sessi
 
     # New sessions go to the surviving cell only; with it full, the next is refused.
     await asyncio.sleep(1.0)  # one capacity poll notices the dead talker
+    with urllib.request.urlopen(f"http://127.0.0.1:{run_stack.port}/health", timeout=5) as r:
+        health = json.loads(r.read())
+    assert r.status == 200 and health["serving_cells"] == 1 and health["total_slots"] == 2
     s3 = await RT.connect(run_stack.ws_url)
     assert (await s3.open(instructions="three"))["type"] == "session.created"
     assert _active(run_stack, 1) == 2
