@@ -222,7 +222,9 @@ class CodecServiceConfig:
     metrics_port: int = 0  # -1 disables the /metrics endpoint
     slots: int = 16  # concurrent streams (rows of the codec batch)
     device: str = "cpu"  # cpu | cuda | cuda:N
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    # torch intra-op threads. 1 by default: the stages share a machine's cores, and several processes
+    # each spinning torch's default thread pool slow one another down many times over. 0 = torch's default.
+    threads: int = 1
     # After the first pending frame, wait up to this long for other streams' frames (never once all
     # live streams have one pending): fewer, fuller steps for a little latency.
     batch_wait_ms: float = 5.0
