@@ -177,3 +177,18 @@ def test_config_from_args_reads_api_key_from_environment(monkeypatch):
     c = GatewayConfig.from_args(["--cells", "a:1,b:2,c:3", "--api-key-env", "MY_KEY", "--port", "0"])
     assert c.api_key == "s3cret" and c.port == 0 and len(c.cells) == 1
     assert GatewayConfig.from_args(["--cells", "a:1,b:2,c:3", "--api-key-env", "UNSET_VAR_X"]).api_key is None
+
+
+async def test_cells_from_dns_name_use_the_configured_ports():
+    from services.gateway.cells import CellPool
+
+    pool = CellPool(GatewayConfig(cells_dns="localhost", dns_ports=(1111, 2222, 3333)))
+    await pool._refresh_dns()
+    try:
+        addrs = {c.address for c in pool.cells.values()}
+        assert CellAddress("127.0.0.1:1111", "127.0.0.1:2222", "127.0.0.1:3333") in addrs
+        # Nothing answers there: no cell is serving, so none is a candidate and health is false.
+        await pool.poll_once()
+        assert pool.candidates() == [] and not pool.healthy()
+    finally:
+        await pool.stop()
