@@ -414,3 +414,18 @@ async def test_no_serving_cell_means_503_and_a_typed_open_failure():
             await rt.recv(30)
     finally:
         gw.stop()
+
+
+async def test_zz_draining_cell_gets_no_new_session(stack):
+    """Last in this module: it drains the cell's encoder (for good)."""
+    from duplex.v1 import common_pb2, encoder_pb2_grpc
+
+    with grpc.insecure_channel(stack.cell_procs[0].encoder.address) as ch:
+        encoder_pb2_grpc.EncoderStub(ch).Drain(common_pb2.DrainRequest(deadline_s=0), timeout=10)
+    await asyncio.sleep(1.0)  # the next capacity poll sees `draining`
+    status, body, _ = http_get(stack.gateway.http_url + "/health")
+    assert json.loads(body)["cell_detail"][0]["draining"] is True
+    rt = await RT.connect(stack.gateway.ws_url)
+    ev = await rt.open()
+    assert ev["type"] == "error" and ev["error"]["code"] == "resource_exhausted", ev
+    assert stage_capacity(stack, "encoder").active_streams == 0
