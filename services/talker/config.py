@@ -34,7 +34,9 @@ class TalkerConfig:
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
     prefill_chunk_frames: int = 64  # most prompt frames one prefill chunk runs between ticks
     drain_deadline_s: float = 30.0  # SIGTERM: how long live sessions may continue
-    threads: int = 0  # torch intra-op threads (0 = torch's default)
+    # torch intra-op threads. 1 by default: the stages share a machine's cores, and several
+    # processes each spinning torch's default thread pool slow one another down many times over.
+    threads: int = 1
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

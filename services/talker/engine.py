@@ -51,6 +51,7 @@ __all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "Invali
 log = logging.getLogger("talker.engine")
 
 AGENT_CODEBOOKS = 8
+GRAPH_TEXT_TOP_K = 1024  # text top-k width a CUDA-graphed step is captured for (audio: the whole card)
 
 
 class InvalidPersona(ValueError):
@@ -186,6 +187,10 @@ class TalkerEngine:
         if cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
         self.cuda_graph = cuda_graph
+        # Under a CUDA graph the top-k width is baked into the capture, so it is fixed up front:
+        # one graph, captured by warmup() at load, never mid-conversation. A session asking for a
+        # wider top-k (or none, 0) is refused at begin(); the defaults (25 / 250) are well inside.
+        self.graph_top_k = (min(GRAPH_TEXT_TOP_K, self.text_card), self.card) if cuda_graph else None
         self._graphs: dict[tuple[int, int], tuple] = {}  # (text max_k, audio max_k) -> graph, inputs, outputs
         self._voice_kv: dict[str, _VoicePrefix] = {}
 
@@ -211,6 +216,12 @@ class TalkerEngine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidSampling(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         sampling.validate(self.text_card, self.card)
+        if self.graph_top_k is not None and not sampling.greedy:
+            for name, k, bound in (("text_top_k", sampling.text_top_k, self.graph_top_k[0]),
+                                   ("audio_top_k", sampling.audio_top_k, self.graph_top_k[1])):
+                if k <= 0 or k > bound:
+                    raise InvalidSampling(f"{name} must be in [1, {bound}] on this server (its step is a "
+                                          f"CUDA graph captured for that top-k width), got {k}")
         prefix = self._voice_prefix(voice) if voice is not None else None
         tokens = None
         if persona is not None or voice is not None:
@@ -273,7 +284,7 @@ class TalkerEngine:
     def _replay(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
         """step() through a captured graph. Capture and its warm-up run with every slot inactive,
         which leaves all state as it was (that is what `_advance` guarantees for inactive rows)."""
-        key = (self._max_k(self._text_k, self.text_card), self._max_k(self._audio_k, self.card))
+        key = self.graph_top_k
         if key not in self._graphs:
             codes = torch.zeros(self.num_slots, AGENT_CODEBOOKS, dtype=torch.long, device=self.device)
             act = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
@@ -351,7 +362,16 @@ class TalkerEngine:
 
     def _params(self, p: RowParams, host_k: list[int], vocab: int) -> RowParams:
         top_k = torch.where(p.top_k <= 0, vocab, p.top_k.clamp(max=vocab))
+        if self.graph_top_k is not None:  # the bound the graph is captured with (see __init__)
+            return RowParams(p.greedy, p.temperature, top_k, self.graph_top_k[0 if vocab == self.text_card else 1])
         return RowParams(p.greedy, p.temperature, top_k, self._max_k(host_k, vocab))
+
+    def warmup(self) -> None:
+        """Capture the step's CUDA graph now (at load), so no live tick ever pays for a capture.
+        A no-op without cuda_graph. Capture runs with every slot inactive: no state changes."""
+        if self.cuda_graph and self.graph_top_k not in self._graphs:
+            S = self.num_slots
+            self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool))
 
     # ---- slot state ----------------------------------------------------------------------------
 

@@ -234,6 +234,7 @@ class TalkerService:
                 context=cfg.context or None, kv_fp8=cfg.kv_fp8, cuda_graph=cfg.cuda_graph)
         elif self.engine.num_slots != cfg.slots:
             raise ValueError(f"the given engine has {self.engine.num_slots} slots, the config says {cfg.slots}")
+        await asyncio.to_thread(self.engine.warmup)  # capture the CUDA graph now, not on a live tick
         log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), output delay %d frames",
                  paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device, cfg.torch_dtype,
                  self.engine.output_delay_frames)
