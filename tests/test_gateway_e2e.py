@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 import subprocess
 import time
 import urllib.request
@@ -295,10 +296,10 @@ async def test_openai_client_speaks_ga_events_with_bearer_key(stack):
                     audio_chunks.append(np.frombuffer(base64.b64decode(ev.delta), "<i2"))
                 elif ev.type == "response.output_audio_transcript.delta":
                     texts.append(ev.delta)
+                    if len(texts) >= 4 and sender.done():  # after a whole audio+text pair
+                        break
                 elif ev.type == "error":
                     pytest.fail(f"error event: {ev}")
-                if len(texts) >= 4 and sender.done():
-                    break
             await sender
             await conn.send({"type": "session.close"})
             async for ev in conn:
@@ -412,6 +413,40 @@ async def test_no_serving_cell_means_503_and_a_typed_open_failure():
         assert ev["type"] == "error" and ev["error"]["type"] == "server_error" and ev["error"]["code"] == "runtime_open_failed"
         with pytest.raises(ConnectionClosed):
             await rt.recv(30)
+    finally:
+        gw.stop()
+
+
+async def test_a_client_that_never_reads_is_cut_off_and_others_go_on(stack):
+    # A gateway with a small per-session output bound, on the same cells.
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--output-queue-events", "8", "--send-buffer-bytes", "8192"]).start()
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((gw.host, gw.port))
+        stuck = RT(await connect(gw.ws_url, sock=sock, max_queue=1))
+        assert (await stuck.open())["type"] == "session.created"
+        good = await RT.connect(gw.ws_url)
+        assert (await good.open())["type"] == "session.created"
+
+        async def cutoffs() -> float:
+            _, body, _ = http_get(gw.http_url + "/metrics")
+            return sum(float(l.rsplit(" ", 1)[1]) for l in body.decode().splitlines() if l.startswith("gateway_slow_client_cutoffs_total"))
+
+        x = tone(1)
+        deadline = time.monotonic() + 120
+        while await cutoffs() < 1 and time.monotonic() < deadline:
+            for rt in (stuck, good):
+                try:
+                    await rt.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x)})
+                except ConnectionClosed:
+                    pass
+            await drain(good, 0.08)  # the good client reads; the stuck one never does
+        assert await cutoffs() == 1
+        n = len(good.of("response.output_audio.delta"))
+        await paced(good, tone(4))
+        await wait_frames(good, n + 3)
+        await good.close()
     finally:
         gw.stop()
 

@@ -72,6 +72,9 @@ class GatewayConfig:
     max_message_bytes: int = 2 * 1024 * 1024
     # Output events buffered for a client before it is declared too slow and cut off.
     output_queue_events: int = 400
+    # Kernel send buffer per client socket (0 = the OS default, which can autotune to MBs):
+    # with the queue above, what a client that stops reading can hold up is bounded.
+    send_buffer_bytes: int = 256 * 1024
     static_dir: Path = field(default=STATIC_DIR)
 
     @classmethod
@@ -93,6 +96,7 @@ class GatewayConfig:
         p.add_argument("--default-voice", default=d.default_voice)
         p.add_argument("--default-instructions", default=d.default_instructions)
         p.add_argument("--output-queue-events", type=int, default=d.output_queue_events)
+        p.add_argument("--send-buffer-bytes", type=int, default=d.send_buffer_bytes)
         p.add_argument("--static-dir", default=str(d.static_dir))
         a = p.parse_args(argv)
         cells = parse_cells(a.cells) if a.cells else ()
@@ -119,5 +123,6 @@ class GatewayConfig:
             default_voice=a.default_voice,
             default_instructions=a.default_instructions,
             output_queue_events=a.output_queue_events,
+            send_buffer_bytes=a.send_buffer_bytes,
             static_dir=Path(a.static_dir),
         )

@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import mimetypes
+import socket
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
@@ -99,6 +100,7 @@ class Gateway:
                 self.metrics.errors.labels("invalid_request_error", "unauthorized").inc()
                 return _json(401, {"error": {"type": "invalid_request_error", "code": "unauthorized", "message": "missing or wrong bearer API key"}})
             query = dict(parse_qsl(url.query))
+            self._bound_send_buffer(conn)
             duplex = query.get("duplex", "1").lower()
             if path == "/v1/realtime" and duplex not in TRUE:
                 why = "this server only speaks the duplex wire (duplex=1)" if duplex in FALSE else f"duplex={duplex!r} is not 1|true|on"
@@ -112,6 +114,11 @@ class Gateway:
         if path == "/metrics":
             return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
         return self._static(path)
+
+    def _bound_send_buffer(self, conn: ServerConnection) -> None:
+        sock = conn.transport.get_extra_info("socket")
+        if sock is not None and self.config.send_buffer_bytes > 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer_bytes)
 
     def _authorized(self, request: Request) -> bool:
         key = self.config.api_key
