@@ -1,0 +1,574 @@
+"""The co-located pipeline on one GPU: encoder, talker and decoder processes under CUDA MPS, N live sessions.
+
+    python -m bench.pipeline --mps --sessions 160 --duration-s 120 [--fallback-sessions 128] [--out DIR]
+    python -m bench.pipeline --smoke [--out DIR]       # tiny checkpoint on the CPU, 2 sessions, 4 s
+
+Phases (each timed and printed):
+1. checkpoint: `--checkpoint DIR`, or build one (`--preset full` on the GPU: tools.make_checkpoint
+   --device cuda into a work dir, removed at the end unless --keep-checkpoint).
+2. MPS (`--mps`): a control daemon with private pipe/log dirs, exported to the three services;
+   `quit` in a finally. No GPU setting (compute mode, clocks) is touched.
+3. services: encoder, talker, decoder as real processes (tools/procs.py), slots = the largest N,
+   the talker with fp8 KV and CUDA-graph replay on CUDA. If they do not start (say the talker's KV
+   does not fit), the next smaller N of --sessions/--fallback-sessions is tried.
+4. for each N of --sessions, a fresh set of sessions: --client-procs load processes
+   (bench/pipeline_load.py) open N sessions (gateway Pipeline: voice + persona + sampling), all
+   admitted before one shared start, then one 1920-sample frame per session every 80 ms on an
+   absolute schedule for --duration-s, then a graceful close. Each service's /metrics is scraped
+   about once a second.
+5. report (bench/pipeline_report.py): table, pipeline.json (rewritten after every phase, so a
+   run cut short still leaves what it measured) and pipeline.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from bench.pipeline_report import plot, print_table, summarize_run
+from bench.pipeline_stats import parse_metrics
+from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
+from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, _die_with_parent, health_status
+
+STAGES = ("encoder", "talker", "decoder")
+FRAME_PERIOD_S = 0.08
+START_LEAD_S = 0.5  # "all admitted" -> shared first send: time for every load process to get the start
+
+
+@dataclass
+class BenchConfig:
+    """Every option of the benchmark (flag = field name with dashes). Defaults are the GPU run."""
+
+    preset: str = "full"  # checkpoint to build when --checkpoint is not given: tiny | full
+    checkpoint: str = ""  # an existing checkpoint directory (published layout)
+    seed: int = 0
+    device: str = "cuda"  # the three services' device: cuda | cpu
+    sessions: str = "160"  # N, or a sweep "64,128,160" (services start once, slots = the largest)
+    fallback_sessions: str = ""  # run only if the services do not start with the larger slot count
+    extra_slots: int = 0  # slots beyond the largest N (the talker's KV for 160 slots nearly fills an H200)
+    duration_s: float = 120.0  # input audio per session
+    client_procs: int = min(8, max(1, (os.cpu_count() or 2) // 2))
+    mps: bool = False
+    out: str = "bench/results"
+    work_dir: str = ""  # built checkpoint and load records ("" = a temporary dir, removed at the end)
+    keep_checkpoint: bool = False
+    voice: str = "NATF2.pt"
+    persona: str = "You are a helpful assistant."
+    talker_args: str = ""  # extra talker flags, e.g. "--max-backlog-s 3"
+    codec_args: str = ""  # extra encoder/decoder flags
+    window_s: float = 10.0  # output-rate windows
+    backlog_growth_frames: float = 2.0  # backlog growth over a run above this = falling behind
+    ready_timeout_s: float = 300.0
+    open_timeout_s: float = 120.0
+    stall_timeout_s: float = 10.0
+    cleanup_timeout_s: float = 30.0
+    progress_every_s: float = 5.0
+    smoke: bool = False
+
+    @property
+    def sweep(self) -> list[int]:
+        return sorted({int(n) for n in self.sessions.split(",") if n.strip()})
+
+    @property
+    def fallbacks(self) -> list[int]:
+        return sorted({int(n) for n in self.fallback_sessions.split(",") if n.strip()})
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def validate(self) -> None:
+        if self.preset not in ("tiny", "full"):
+            raise SystemExit(f"--preset must be tiny or full, got {self.preset!r}")
+        if not self.sweep or min(self.sweep + self.fallbacks) < 1:
+            raise SystemExit(f"--sessions needs positive counts, got {self.sessions!r}")
+        if self.duration_s < 1 or self.client_procs < 1 or self.window_s <= 0:
+            raise SystemExit("--duration-s >= 1, --client-procs >= 1 and --window-s > 0 are required")
+        if self.mps and not self.cuda:
+            raise SystemExit("--mps needs --device cuda")
+
+
+# --smoke: the same script on the CPU with the tiny checkpoint (explicit flags still win).
+SMOKE = dict(preset="tiny", device="cpu", sessions="2", duration_s=4.0, client_procs=1, mps=False, window_s=2.0,
+             ready_timeout_s=120.0, open_timeout_s=60.0, progress_every_s=1.0)
+
+
+def parse_args(argv: list[str] | None) -> BenchConfig:
+    ap = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(BenchConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            ap.add_argument(flag, dest=f.name, action="store_true", default=None)
+        else:
+            conv = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            ap.add_argument(flag, dest=f.name, type=conv, default=None, help=f"default {f.default!r}")
+    given = {k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None}
+    base = SMOKE if given.get("smoke") else {}
+    cfg = BenchConfig(**{**base, **given})
+    cfg.validate()
+    return cfg
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- phase 1: checkpoint ------------------------------------------------------------------------
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def build_checkpoint(cfg: BenchConfig, work: Path) -> Path:
+    """The tiny preset comes from the shared cache; the full one is built into the work dir (on the
+    GPU when the services run there: seconds instead of the minutes a CPU init takes)."""
+    cmd = [sys.executable, "-m", "tools.make_checkpoint", "--preset", cfg.preset, "--seed", str(cfg.seed)]
+    out = None
+    if cfg.preset == "full":
+        out = work / "checkpoint"
+        cmd += ["--out", str(out), "--device", "cuda" if cfg.cuda else "cpu"]
+    log(f"checkpoint: {' '.join(cmd[1:])}")
+    build_log = work / "make_checkpoint.log"
+    t0 = time.monotonic()
+    with open(build_log, "w+") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        next_note = t0 + 10
+        while proc.poll() is None:
+            time.sleep(0.5)
+            if time.monotonic() >= next_note:
+                size = f" ({dir_bytes(out) / 1e9:.1f} GB written)" if out else ""
+                log(f"checkpoint: building, {time.monotonic() - t0:.0f} s{size}")
+                next_note += 10
+        f.seek(0)
+        text = f.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"tools.make_checkpoint failed (exit {proc.returncode}):\n{text[-4000:]}")
+    path = Path(text.strip().splitlines()[-1].strip())  # it prints the directory last
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"tools.make_checkpoint did not leave a checkpoint at {path}:\n{text[-4000:]}")
+    return path
+
+
+# ---- phase 2: MPS -------------------------------------------------------------------------------
+
+class Mps:
+    """A private MPS control daemon. Its pipe/log dirs go into os.environ, so every process started
+    afterwards (the services) is an MPS client of it."""
+
+    def __init__(self) -> None:
+        self.exe = shutil.which("nvidia-cuda-mps-control")
+        self.root = Path(tempfile.mkdtemp(prefix="pipeline-mps-"))
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(self.root / "log")}
+        self.started = False
+
+    def _run(self, args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([self.exe, *args], input=stdin, text=True, capture_output=True, timeout=30,
+                              env={**os.environ, **self.env})
+
+    def start(self) -> None:
+        if self.exe is None:
+            raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH")
+        for d in self.env.values():
+            Path(d).mkdir(parents=True)
+        r = self._run(["-d"])
+        if r.returncode != 0:
+            raise SystemExit(f"nvidia-cuda-mps-control -d failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+        self.started = True
+        os.environ.update(self.env)
+
+    def query(self, command: str) -> str:
+        r = self._run([], stdin=command + "\n")
+        return (r.stdout + r.stderr).strip()
+
+    def control_log(self, chars: int = 3000) -> str:
+        p = Path(self.env["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
+        return p.read_text(errors="replace")[-chars:] if p.exists() else ""
+
+    def stop(self) -> str:
+        """quit the daemon (after the services are gone); returns the control log's tail."""
+        text = ""
+        if self.started:
+            r = self._run([], stdin="quit\n")
+            if r.returncode != 0:
+                log(f"mps: quit answered {r.returncode}: {r.stderr.strip()}")
+            time.sleep(0.5)
+            text = self.control_log()
+            for k in self.env:
+                os.environ.pop(k, None)
+            self.started = False
+        shutil.rmtree(self.root, ignore_errors=True)
+        return text
+
+
+def gpu_state() -> dict | None:
+    """Name and memory of GPU 0 from nvidia-smi (a read-only query), or None without one."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    r = subprocess.run([exe, "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, timeout=20)
+    if r.returncode != 0 or not r.stdout.strip():
+        return None
+    name, used, total = [x.strip() for x in r.stdout.strip().splitlines()[0].split(",")]
+    return {"name": name, "memory_used_mib": int(used), "memory_total_mib": int(total)}
+
+
+# ---- phase 3: services --------------------------------------------------------------------------
+
+def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, list[str]]:
+    common = ["--checkpoint", str(checkpoint), "--slots", str(slots), "--device", cfg.device]
+    talker = ["--kv-fp8", "true", "--cuda-graph", "true"] if cfg.cuda else ["--threads", "1"]
+    codec = ["--threads", "1"]
+    return {"encoder": common + codec + shlex.split(cfg.codec_args),
+            "talker": common + talker + shlex.split(cfg.talker_args),
+            "decoder": common + codec + shlex.split(cfg.codec_args)}
+
+
+def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict[str, ServiceProcess], dict]:
+    """All three at once (each loads its model); returns once every one answers SERVING."""
+    args = service_args(cfg, checkpoint, slots)
+    procs = {s: ServiceProcess(f"services.{s}", args[s], ready_timeout=cfg.ready_timeout_s) for s in STAGES}
+    t0 = time.monotonic()
+    ready: dict[str, float] = {}
+    try:
+        for p in procs.values():
+            p.spawn()
+        next_note = t0 + 10
+        while len(ready) < len(procs):
+            for s, p in procs.items():
+                if s in ready:
+                    continue
+                code = p.proc.poll()
+                if code is not None:
+                    raise ServiceStartError(f"{s} exited with code {code} before serving:\n{p.stderr_tail()}")
+                if health_status(p.address, timeout=0.5) == health_pb2.HealthCheckResponse.SERVING:
+                    ready[s] = round(time.monotonic() - t0, 2)
+                    log(f"services: {s} serving on {p.address} after {ready[s]:.1f} s")
+            now = time.monotonic()
+            if now - t0 > cfg.ready_timeout_s:
+                waiting = [s for s in procs if s not in ready]
+                raise ServiceStartError(f"{', '.join(waiting)} not SERVING after {cfg.ready_timeout_s:g} s:\n" +
+                                        "\n".join(procs[s].stderr_tail() for s in waiting))
+            if now >= next_note:
+                log(f"services: waiting for {', '.join(s for s in procs if s not in ready)} ({now - t0:.0f} s)")
+                next_note += 10
+            time.sleep(0.2)
+    except BaseException:
+        stop_services(procs)
+        raise
+    return procs, {"slots": slots, "ready_s": ready, "args": {s: " ".join(a) for s, a in args.items()}}
+
+
+def stop_services(procs: dict[str, ServiceProcess]) -> None:
+    for p in procs.values():
+        p.terminate()  # all drain at once
+    for p in procs.values():
+        p.close()
+
+
+def save_service_logs(procs: dict[str, ServiceProcess], out: Path) -> None:
+    for s, p in procs.items():
+        (out / f"pipeline-{s}.log").write_text(p.stderr_tail(200_000))
+
+
+# ---- phase 4: one N -----------------------------------------------------------------------------
+
+_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub,
+          "decoder": decoder_pb2_grpc.DecoderStub}
+
+
+async def wait_all_free(procs: dict[str, ServiceProcess], need: int, timeout_s: float) -> None:
+    """Until every stage reports all slots free (the previous N's sessions are confirmed gone)."""
+    deadline = time.monotonic() + timeout_s
+    last = {}
+    while True:
+        ok = True
+        for s, p in procs.items():
+            async with grpc.aio.insecure_channel(p.address) as ch:
+                try:
+                    cap = await _STUBS[s](ch).GetCapacity(common_pb2.CapacityRequest(), timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    raise RuntimeError(f"{s} GetCapacity failed: {e.code().name} {e.details()}") from None
+            last[s] = (cap.free_slots, cap.total_slots, cap.active_streams)
+            if cap.total_slots < need:
+                raise RuntimeError(f"{s} has {cap.total_slots} slots, {need} sessions need more")
+            ok &= cap.free_slots == cap.total_slots and cap.active_streams == 0
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"slots not all free after {timeout_s:g} s: (free, total, active) = {last}")
+        await asyncio.sleep(0.2)
+
+
+def scrape(procs: dict[str, ServiceProcess]) -> dict:
+    """One /metrics snapshot per stage (None for a stage that did not answer)."""
+    snaps = {}
+    for s, p in procs.items():
+        try:
+            with urllib.request.urlopen(p.metrics_url, timeout=3) as r:
+                snaps[s] = parse_metrics(r.read().decode())
+        except OSError:
+            snaps[s] = None
+    return snaps
+
+
+class LoadProcessError(RuntimeError):
+    pass
+
+
+class LoadProcess:
+    """One bench/pipeline_load.py process: JSON lines in and out, its stderr kept in a file."""
+
+    def __init__(self, index: int, proc: asyncio.subprocess.Process, stderr_path: Path):
+        self.index = index
+        self.proc = proc
+        self.stderr_path = stderr_path
+        self.progress: dict = {}
+        self.messages: asyncio.Queue = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def start(cls, index: int, work: Path) -> "LoadProcess":
+        stderr_path = work / f"load-{index}.stderr"
+        with open(stderr_path, "w") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bench.pipeline_load", cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=err, preexec_fn=_die_with_parent)
+        return cls(index, proc, stderr_path)
+
+    async def _read(self) -> None:
+        while line := await self.proc.stdout.readline():
+            msg = json.loads(line)
+            if "progress" in msg:
+                self.progress = msg["progress"]
+            else:
+                self.messages.put_nowait(msg)
+        self.messages.put_nowait(None)  # EOF
+
+    async def send(self, obj: dict) -> None:
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def expect(self, key: str, timeout_s: float) -> dict:
+        try:
+            msg = await asyncio.wait_for(self.messages.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise LoadProcessError(f"load process {self.index}: no {key!r} within {timeout_s:g} s") from None
+        if msg is None or key not in msg:
+            code = await self.proc.wait() if msg is None else None
+            raise LoadProcessError(f"load process {self.index} ended (exit {code}) without {key!r}:\n"
+                                   f"{self.stderr_path.read_text()[-3000:]}")
+        return msg
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+        self._reader.cancel()
+
+
+async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: int, work: Path) -> dict:
+    """N fresh sessions through the three services; returns the run's summary (pipeline_report)."""
+    await wait_all_free(procs, n, timeout_s=60)
+    frames = int(round(cfg.duration_s / FRAME_PERIOD_S))
+    ids = [f"bench-n{n}-{i:03d}" for i in range(n)]
+    k = min(cfg.client_procs, n)
+    shares = [ids[i::k] for i in range(k)]
+    loaders = [await LoadProcess.start(i, work) for i in range(k)]
+    phases: dict[str, float] = {}
+    done: list[asyncio.Task] = []
+    try:
+        t0 = time.monotonic()
+        for i, lp in enumerate(loaders):
+            await lp.send({"cell": [procs[s].address for s in STAGES], "stream_ids": shares[i], "voice": cfg.voice,
+                           "persona": cfg.persona, "frames": frames, "period_s": FRAME_PERIOD_S,
+                           "open_timeout_s": cfg.open_timeout_s, "stall_timeout_s": cfg.stall_timeout_s,
+                           "cleanup_timeout_s": cfg.cleanup_timeout_s, "result_path": str(work / f"load-n{n}-{i}.json")})
+        admissions = [await lp.expect("admitted", cfg.open_timeout_s + 60) for lp in loaders]
+        admitted = sum(len(a["admitted"]) for a in admissions)
+        refused = [r for a in admissions for r in a["refused"]]
+        phases["admission_s"] = round(time.monotonic() - t0, 2)
+        log(f"N={n}: {admitted}/{n} sessions admitted in {phases['admission_s']:.1f} s over {k} load processes"
+            + (f"; refused: {refused[:3]}" if refused else ""))
+
+        start_at = time.monotonic() + START_LEAD_S
+        snapshots = [(-START_LEAD_S, await asyncio.to_thread(scrape, procs))]
+        for lp in loaders:
+            await lp.send({"start_at": start_at})
+        done = [asyncio.create_task(lp.expect("done", cfg.duration_s + cfg.cleanup_timeout_s + 120)) for lp in loaders]
+        service_exits: dict[str, int] = {}
+        next_scrape = start_at + 1.0
+        next_note = start_at + cfg.progress_every_s
+        while not all(d.done() for d in done):
+            await asyncio.wait(done, timeout=max(0.0, next_scrape - time.monotonic()))
+            now = time.monotonic()
+            if now < next_scrape:
+                continue  # one load process finished early; keep the once-a-second rhythm
+            snapshots.append((round(now - start_at, 3), await asyncio.to_thread(scrape, procs)))
+            next_scrape = max(next_scrape + 1.0, time.monotonic() + 0.5)  # a slow scrape never piles up
+            for s, p in procs.items():
+                if p.proc.poll() is not None and s not in service_exits:
+                    service_exits[s] = p.proc.returncode
+                    log(f"N={n}: {s} exited with code {p.proc.returncode} during the run")
+            if now >= next_note:
+                next_note += cfg.progress_every_s
+                log(progress_line(n, start_at, cfg.duration_s, loaders, snapshots))
+        results = [json.loads(Path((await d)["done"]).read_text()) for d in done]
+        phases["run_and_close_s"] = round(time.monotonic() - start_at, 2)
+        snapshots.append((round(time.monotonic() - start_at, 3), await asyncio.to_thread(scrape, procs)))
+    finally:
+        for d in done:
+            d.cancel()
+        for lp in loaders:
+            await lp.close()
+    summary = summarize_run(n, results, refused, snapshots, duration_s=cfg.duration_s, frames=frames,
+                            window_s=cfg.window_s, backlog_growth_frames=cfg.backlog_growth_frames)
+    summary["client_procs"] = k
+    summary["phases_s"] = phases
+    if service_exits:
+        summary["errors"].append({"code": "service_exited", "message": json.dumps(service_exits)})
+        summary["checks"]["no_errors"] = False
+        summary["pass"] = False
+    return summary
+
+
+def progress_line(n: int, start_at: float, duration_s: float, loaders: list[LoadProcess], snapshots: list) -> str:
+    from bench.pipeline_stats import bucket_quantile, histogram_delta
+
+    sent = sum(lp.progress.get("sent", 0) for lp in loaders)
+    recv = sum(lp.progress.get("recv", 0) for lp in loaders)
+    errors = sum(lp.progress.get("errors", 0) for lp in loaders)
+    late = max((lp.progress.get("late_max_ms", 0.0) for lp in loaders), default=0.0)
+    tick = "-"
+    window = [s for _, s in snapshots[-6:] if s.get("talker") is not None]
+    if len(window) >= 2:
+        q = bucket_quantile(histogram_delta(window[0]["talker"], window[-1]["talker"], "duplex_talker_tick_seconds"), 0.99)
+        tick = "-" if q != q else f"{q * 1000:.1f} ms"
+    t = min(duration_s, time.monotonic() - start_at)
+    return (f"N={n}: {t:5.1f}/{duration_s:g} s  frames/session in {sent / n:.1f} out {recv / n:.1f}  "
+            f"errors {errors}  talker tick p99 (last 5 s) {tick}  client late max {late:.1f} ms")
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+async def sweep(cfg: BenchConfig, procs: dict[str, ServiceProcess], ns: list[int], work: Path, result: dict,
+                write) -> None:
+    for n in ns:
+        t0 = time.monotonic()
+        try:
+            summary = await run_sessions(cfg, procs, n, work)
+        except (LoadProcessError, RuntimeError) as e:
+            log(f"N={n}: run failed: {e}")
+            summary = {"sessions": n, "pass": False, "failed": str(e)[-4000:]}
+        summary["wall_s"] = round(time.monotonic() - t0, 1)
+        if "checks" in summary:
+            failed = [c for c, ok in summary["checks"].items() if not ok]
+            log(f"N={n}: {'PASS' if summary['pass'] else 'FAIL (' + ', '.join(failed) + ')'} in {summary['wall_s']:.0f} s")
+        result["runs"].append(summary)
+        write()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    t_start = time.monotonic()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    own_work = not cfg.work_dir
+    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="pipeline-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"bench": "pipeline", "mode": "smoke (cpu, tiny)" if cfg.smoke else f"{cfg.preset} on {cfg.device}",
+                    "config": asdict(cfg), "host": {"cpu_cores": os.cpu_count(), "gpu": gpu_state()},
+                    "phases_s": {}, "services": None, "mps": {"enabled": cfg.mps}, "runs": [],
+                    "largest_passing_sessions": None}
+
+    def write() -> None:
+        passing = [r["sessions"] for r in result["runs"] if r.get("pass")]
+        result["largest_passing_sessions"] = max(passing) if passing else None
+        result["phases_s"]["total"] = round(time.monotonic() - t_start, 1)
+        (out / "pipeline.json").write_text(json.dumps(result, indent=2))
+
+    mps = Mps() if cfg.mps else None
+    procs: dict[str, ServiceProcess] = {}
+    checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else None
+    try:
+        t = time.monotonic()
+        if checkpoint is None:
+            checkpoint = build_checkpoint(cfg, work)
+        result["phases_s"]["checkpoint"] = round(time.monotonic() - t, 1)
+        result["checkpoint"] = str(checkpoint) if cfg.checkpoint else f"built: {cfg.preset} seed {cfg.seed}"
+        log(f"checkpoint ready in {result['phases_s']['checkpoint']:.1f} s: {checkpoint}")
+        write()
+
+        if mps is not None:
+            t = time.monotonic()
+            mps.start()
+            result["phases_s"]["mps_start"] = round(time.monotonic() - t, 1)
+            log(f"mps: control daemon up (pipe dir {mps.env['CUDA_MPS_PIPE_DIRECTORY']})")
+
+        # Services: slots = the largest N; if they do not start, the next smaller N.
+        ns = cfg.sweep
+        candidates = [max(ns)] + [c for c in sorted(set(ns) | set(cfg.fallbacks), reverse=True) if c < max(ns)]
+        result["service_start_failures"] = []
+        t = time.monotonic()
+        for slots in candidates:
+            slots_total = slots + cfg.extra_slots
+            log(f"services: starting encoder, talker, decoder with {slots_total} slots on {cfg.device}")
+            try:
+                procs, info = start_services(cfg, checkpoint, slots_total)
+                ns = [n for n in ns if n <= slots] or [slots]
+                break
+            except ServiceStartError as e:
+                log(f"services: did not start with {slots_total} slots: {str(e)[:2000]}")
+                result["service_start_failures"].append({"slots": slots_total, "error": str(e)[-4000:]})
+                write()
+        else:
+            log("services: no slot count started; see pipeline.json")
+            return 3
+        result["phases_s"]["services_start"] = round(time.monotonic() - t, 1)
+        info["gpu_after_start"] = gpu_state()
+        result["services"] = info
+        if mps is not None:
+            result["mps"]["server_list"] = mps.query("get_server_list")
+        write()
+
+        asyncio.run(sweep(cfg, procs, ns, work, result, write))
+        result["host"]["gpu_at_end"] = gpu_state()
+    finally:
+        if procs:
+            save_service_logs(procs, out)
+            stop_services(procs)
+        if mps is not None:
+            result["mps"]["control_log_tail"] = mps.stop()
+        if own_work and not cfg.keep_checkpoint:
+            shutil.rmtree(work, ignore_errors=True)
+        elif not cfg.keep_checkpoint and cfg.preset == "full" and not cfg.checkpoint:
+            shutil.rmtree(work / "checkpoint", ignore_errors=True)
+        write()
+
+    print_table(result)
+    png = plot(result, out / "pipeline.png")
+    result["png"] = str(png) if png else None
+    write()
+    log(f"wrote {out / 'pipeline.json'}" + (f" and {png}" if png else "") +
+        f"; phases (s): {json.dumps(result['phases_s'])}")
+    # 0: some N passed; 3: measured, none passed (1 is left to crashes, 2 to bad flags).
+    return 0 if result["largest_passing_sessions"] is not None else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""bench/pipeline.py's report: one N's summary from the load records and metric scrapes, the
+table, and the timeline plot.
+
+Definitions (also written into pipeline.json):
+- e2e latency: PCM frame i handed to the encoder stream -> the decoded PCM of the talker output
+  whose input_seq is i received by the load process. The model's output delay (1 frame: the first
+  input frame yields no output) shows as frames_out = frames_in - delay per session; the latency of
+  a frame that does get an output is the serving path's (encoder, talker tick wait and step,
+  decoder, three gRPC hops), not the 80 ms it takes to capture a frame.
+- stage step / talker tick quantiles: from each service's Prometheus histograms, the bucket deltas
+  between the scrape before the shared start and the one after the last output; quantiles are
+  interpolated inside a bucket (bucket resolution). The 80 ms pass line is a bucket bound, so
+  "share of ticks <= 80 ms" is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from bench.pipeline_stats import (
+    SessionRecord,
+    backlog_series,
+    backlog_trend,
+    bucket_quantile,
+    count_gt,
+    counter_by_label,
+    counter_delta,
+    fraction_le,
+    histogram_delta,
+    histogram_summary_ms,
+    ms_summary,
+    output_rate_windows,
+    per_second_latency,
+)
+
+STAGES = ("encoder", "talker", "decoder")
+TICK_BUDGET_S = 0.080  # one frame: a talker tick over this is a late frame for every session
+
+DEFINITIONS = {
+    "e2e_ms": "PCM frame i sent to the encoder stream -> decoded PCM of the talker output with input_seq i "
+              "received; frames_out = frames_in - output_delay_frames (the model's 1-frame delay: the first "
+              "input yields no output); excludes the 80 ms capture time of a frame",
+    "stage quantiles": "Prometheus histogram bucket deltas over the run (before start -> after the last output), "
+                       "interpolated inside a bucket: bucket resolution",
+    "talker_tick": "one conversation-clock tick that stepped (main batched step + catch-up steps)",
+    "pass": "talker ticks <= 80 ms for >= 99% (exact: 80 ms is a bucket bound), every session admitted, no "
+            "session/stage error or backlog refusal, every owed output frame delivered, and no growing backlog "
+            "(mean frames in flight grows less than backlog_growth_frames over the run)",
+    "backlog_frames": "mean over sessions of input frames sent that owe an output minus outputs received",
+    "client_send_lateness_ms": "how late a load process sent a frame against its session's absolute schedule",
+}
+
+
+def _ms(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else round(x * 1000.0, 2)
+
+
+def _stage_block(before: dict, after: dict, stage: str) -> dict:
+    step = histogram_delta(before, after, "duplex_stage_step_seconds", stage=stage)
+    batch = histogram_delta(before, after, "duplex_stage_batch_size", stage=stage)
+    return {"step_ms": histogram_summary_ms(step), "batch_mean": None if batch.count == 0 else round(batch.mean, 2),
+            "frames_in": int(counter_delta(before, after, "duplex_stage_frames_in", stage=stage)),
+            "frames_out": int(counter_delta(before, after, "duplex_stage_frames_out", stage=stage)),
+            "errors": counter_by_label(before, after, "duplex_stage_errors", "kind", stage=stage)}
+
+
+def _talker_block(before: dict, after: dict) -> dict:
+    tick = histogram_delta(before, after, "duplex_talker_tick_seconds")
+    late = histogram_delta(before, after, "duplex_talker_tick_lateness_seconds")
+    return {
+        "tick_ms": histogram_summary_ms(tick),
+        "tick_share_le_80ms": None if tick.count == 0 else round(fraction_le(tick, TICK_BUDGET_S), 5),
+        "tick_lateness_ms": histogram_summary_ms(late),
+        "ticks_started_late_gt_10ms": int(count_gt(late, 0.010)) if late.count else 0,
+        "ticks_started_late_gt_80ms": int(count_gt(late, 0.080)) if late.count else 0,
+        "frames_advanced": int(counter_delta(before, after, "duplex_talker_frames_advanced")),
+        "frames_skipped": int(counter_delta(before, after, "duplex_talker_frames_skipped")),
+        "catch_up_steps": int(counter_delta(before, after, "duplex_talker_catch_up_steps")),
+        "backlog_refusals": int(counter_delta(before, after, "duplex_talker_backlog_refusals")),
+    }
+
+
+def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:
+    """Per scrape interval (about 1 s): talker tick p99 and each stage's step p99, in ms."""
+    rows = []
+    for (t0, a), (t, b) in zip(snapshots, snapshots[1:]):
+        row = {"t0": t0, "t": t}
+        if a.get("talker") is not None and b.get("talker") is not None:
+            row["talker_tick_p99_ms"] = _ms(bucket_quantile(histogram_delta(a["talker"], b["talker"], "duplex_talker_tick_seconds"), 0.99))
+        for s in STAGES:
+            if a.get(s) is not None and b.get(s) is not None:
+                row[f"{s}_step_p99_ms"] = _ms(bucket_quantile(histogram_delta(a[s], b[s], "duplex_stage_step_seconds", stage=s), 0.99))
+        rows.append(row)
+    return rows
+
+
+def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: list[tuple[float, dict]], *,
+                  duration_s: float, frames: int, window_s: float, backlog_growth_frames: float) -> dict:
+    sessions = [s for r in results for s in r["sessions"]]
+    live = [s for s in sessions if s["admitted"]]
+    records = [SessionRecord(s["send_t"], [(int(q), float(t)) for q, t in s["recv"]], int(s["output_delay_frames"]))
+               for s in live]
+    errors = [{"stream_id": s["stream_id"], **s["error"]} for s in live if s["error"]]
+    errors += [{"stream_id": r.get("stream_id"), "code": r.get("code"), "stage": r.get("stage"),
+                "message": r.get("message")} for r in refused]
+    unconfirmed = [s["stream_id"] for s in live if s["cleanup_confirmed"] is False]
+    delay = max((r.output_delay_frames for r in records), default=0)
+
+    f_in = [len(r.send_t) for r in records]
+    f_out = [len(r.recv) for r in records]
+    owed = [max(0, len(r.send_t) - r.output_delay_frames) for r in records]
+    latencies = [lat for r in records for _, lat in r.latencies()]
+    lateness = [x for s in live for x in s["late_s"]]
+
+    before, after = snapshots[0][1], snapshots[-1][1]
+    stages = {s: (_stage_block(before[s], after[s], s) if before.get(s) is not None and after.get(s) is not None else None)
+              for s in STAGES}
+    talker = _talker_block(before["talker"], after["talker"]) if stages["talker"] is not None else None
+
+    grid = np.arange(0.0, duration_s, 0.5)
+    backlog = backlog_series(records, grid)
+    trend = backlog_trend(grid, backlog, skip_s=min(5.0, duration_s / 4), max_growth_frames=backlog_growth_frames)
+    trend["per_second"] = [{"t": float(t), "frames": round(float(b), 3)} for t, b in zip(grid, backlog) if float(t).is_integer()]
+
+    stage_errors = sum(sum(b["errors"].values()) for b in stages.values() if b is not None)
+    checks = {
+        "all_admitted": len(live) == n,
+        "no_errors": not errors and not unconfirmed and stage_errors == 0 and None not in stages.values()
+                     and (talker is None or talker["backlog_refusals"] == 0),
+        "talker_tick_p99_under_80ms": talker is not None and talker["tick_share_le_80ms"] is not None
+                                      and talker["tick_share_le_80ms"] >= 0.99,
+        "no_growing_backlog": trend["growing"] is False,
+        "all_outputs_delivered": bool(records) and f_out == owed,
+    }
+    return {
+        "sessions": n,
+        "admitted": len(live),
+        "duration_s": duration_s,
+        "frames_per_session": frames,
+        "output_delay_frames": delay,
+        "prefill_ms": ms_summary([s["prefill_ms"] / 1000.0 for s in live if s["prefill_ms"] is not None]),
+        "open_ms": ms_summary([s["open_s"] for s in live]),
+        "frames": {"in_total": sum(f_in), "out_total": sum(f_out), "owed_out_total": sum(owed),
+                   "missing_out_total": sum(owed) - sum(f_out),
+                   "in_per_session_min": min(f_in, default=0), "in_per_session_max": max(f_in, default=0),
+                   "out_per_session_min": min(f_out, default=0), "out_per_session_max": max(f_out, default=0)},
+        "e2e_ms": ms_summary(latencies),
+        "client_send_lateness_ms": ms_summary(lateness),
+        "client_reanchors": sum(s["reanchors"] for s in live),
+        "output_fps_per_session": output_rate_windows(records, duration_s, window_s),
+        "backlog_frames": trend,
+        "stages": stages,
+        "talker": talker,
+        "latency_per_second": per_second_latency(records, int(math.ceil(duration_s)) + 2),
+        "stage_timeline": stage_timeline(snapshots),
+        "errors": errors[:50],
+        "errors_total": len(errors),
+        "cleanup_unconfirmed": unconfirmed[:50],
+        "checks": checks,
+        "pass": all(checks.values()),
+        "definitions": DEFINITIONS,
+    }
+
+
+def print_table(result: dict) -> None:
+    cols = ("N", "adm", "e2e p50", "e2e p99", "tick p99", "tick<=80", "enc p99", "talk p99", "dec p99",
+            "late>10", "skipped", "refused", "backlog+", "min fps", "cli p99", "pass")
+    print()
+    print(" ".join(f"{c:>8}" for c in cols))
+    for r in result["runs"]:
+        if "checks" not in r:
+            print(f"{r['sessions']:>8} run failed: {r.get('failed', '')[:200]}")
+            continue
+        t, st = r["talker"] or {}, r["stages"]
+
+        def step(s):
+            return (st.get(s) or {}).get("step_ms", {}).get("p99")
+
+        fps = [w["min_fps"] for w in r["output_fps_per_session"]]
+        vals = (r["sessions"], r["admitted"], r["e2e_ms"]["p50"], r["e2e_ms"]["p99"], t.get("tick_ms", {}).get("p99"),
+                None if t.get("tick_share_le_80ms") is None else 100 * t["tick_share_le_80ms"], step("encoder"),
+                step("talker"), step("decoder"), t.get("ticks_started_late_gt_10ms"), t.get("frames_skipped"),
+                t.get("backlog_refusals"), r["backlog_frames"]["growth_frames"], min(fps) if fps else None,
+                r["client_send_lateness_ms"]["p99"], "PASS" if r["pass"] else "FAIL")
+        print(" ".join(f"{v:>8.1f}" if isinstance(v, float) else f"{'-' if v is None else v:>8}" for v in vals))
+    print("(ms; tick<=80 in %; quantiles of stage/tick times at Prometheus bucket resolution; "
+          "backlog+ = growth of frames in flight over the run; min fps = slowest session's output rate in any window)")
+    print(f"largest passing N: {result['largest_passing_sessions']}")
+    print()
+
+
+def plot(result: dict, path) -> object | None:
+    """Per-second e2e p50/p99 and talker tick p99 for every N; None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no pipeline.png (pipeline.json has the same timelines)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["runs"] if "latency_per_second" in r]
+    if not runs:
+        return None
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for i, r in enumerate(runs):
+        color = f"C{i}"
+        lat = [x for x in r["latency_per_second"] if x["p99_ms"] is not None]
+        # Each point at the middle of the interval it summarizes.
+        ax1.plot([x["t"] + 0.5 for x in lat], [x["p99_ms"] for x in lat], "-", color=color, label=f"N={r['sessions']} p99")
+        ax1.plot([x["t"] + 0.5 for x in lat], [x["p50_ms"] for x in lat], "--", color=color, label=f"N={r['sessions']} p50")
+        tl = [x for x in r["stage_timeline"] if x.get("talker_tick_p99_ms") is not None]
+        ax2.plot([(x["t0"] + x["t"]) / 2 for x in tl], [x["talker_tick_p99_ms"] for x in tl], "-", color=color,
+                 label=f"N={r['sessions']}")
+    ax1.set_ylim(bottom=0)
+    ax2.set_ylim(bottom=0)
+    ax1.set_ylabel("e2e frame latency (ms)")
+    ax1.set_title(f"PersonaPlex pipeline, {result['mode']}: encoder + talker + decoder"
+                  + (" under MPS" if result["mps"]["enabled"] else ""))
+    ax1.legend(fontsize=8, ncol=2)
+    ax1.grid(alpha=0.3)
+    ax2.axhline(80, color="red", lw=0.8, label="80 ms frame")
+    ax2.set_ylabel("talker tick p99 per ~1 s (ms)")
+    ax2.set_xlabel("seconds since the shared start")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
