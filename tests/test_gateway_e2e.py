@@ -464,3 +464,19 @@ async def test_zz_draining_cell_gets_no_new_session(stack):
     ev = await rt.open()
     assert ev["type"] == "error" and ev["error"]["code"] == "resource_exhausted", ev
     assert stage_capacity(stack, "encoder").active_streams == 0
+
+
+async def test_talker_refusals_reach_the_client_as_typed_codes(stack):
+    """Settings only the talker can judge (a well-formed but unbundled voice, a persona longer than
+    the model's window) come back typed through the stage's `error-kind`, not guessed from text."""
+    long_persona = " ".join(["You are patient and kind."] * 120)  # < 4000 chars, > 256 frames of tokens
+    for session, code in (({"voice": "NOPE0.pt"}, "invalid_voice"), ({"instructions": long_persona}, "invalid_instructions")):
+        rt = await RT.connect(stack.gateway.ws_url)
+        ev = await rt.open(**session)
+        assert ev["type"] == "error" and ev["error"]["code"] == code, (session.keys(), ev)
+        assert ev["error"]["type"] == "invalid_request_error"
+        await rt.ws.close()
+    # Nothing was half-opened: a good session still gets in.
+    rt = await RT.connect(stack.gateway.ws_url)
+    assert (await rt.open(instructions="You are fine."))["type"] == "session.created"
+    await rt.close()

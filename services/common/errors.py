@@ -13,6 +13,19 @@ from __future__ import annotations
 import grpc
 
 
+ERROR_KIND_KEY = "error-kind"
+
+
+def error_kind(e: BaseException) -> str | None:
+    """The `error-kind` a stage attached to a failed RPC (None if absent or not an RPC error)."""
+    if not isinstance(e, grpc.aio.AioRpcError):
+        return None
+    for key, value in e.trailing_metadata() or ():
+        if key == ERROR_KIND_KEY:
+            return value
+    return None
+
+
 class StageError(Exception):
     """Base: a failure that ends one stream with a specific gRPC status."""
 
@@ -26,7 +39,10 @@ class StageError(Exception):
             self.kind = kind
 
     async def abort(self, context: grpc.aio.ServicerContext) -> None:
-        """End the RPC with this error's status (raises, as grpc.aio's abort does)."""
+        """End the RPC with this error's status (raises, as grpc.aio's abort does). The error's kind
+        travels as trailing metadata `error-kind` (ERROR_KIND_KEY), so a client can tell, say, a bad
+        voice from a bad persona without parsing the message."""
+        context.set_trailing_metadata(((ERROR_KIND_KEY, self.kind),))
         await context.abort(self.code, self.message)
 
 

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from duplex.v1 import common_pb2, decoder_pb2, encoder_pb2, talker_pb2
+from services.common.errors import error_kind
 from services.gateway.audio import FRAME_SAMPLES, f32_frame_bytes, f32_from_frame_bytes
 from services.gateway.cells import STAGES, Cell
 
@@ -334,6 +335,10 @@ class Pipeline:
         return self.cleanup_confirmed
 
 
+# The talker's `error-kind` of a refused open -> the Realtime error code the client sees.
+_TALKER_REFUSALS = {"bad_voice": "invalid_voice", "bad_persona": "invalid_instructions", "bad_sampling": "invalid_sampling"}
+
+
 def _open_failure(cell: Cell, failures: dict[str, BaseException]) -> PipelineError:
     for stage, e in failures.items():
         if isinstance(e, PipelineError):
@@ -341,7 +346,7 @@ def _open_failure(cell: Cell, failures: dict[str, BaseException]) -> PipelineErr
         code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
         details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e) or type(e).__name__
         if code == grpc.StatusCode.INVALID_ARGUMENT and stage == "talker":
-            which = "invalid_voice" if "voice" in (details or "").lower() else "invalid_instructions"
+            which = _TALKER_REFUSALS.get(error_kind(e), "invalid_instructions")
             return PipelineError(which, details or "talker refused the session settings", stage, client_fault=True)
     # Not a client fault: RESOURCE_EXHAUSTED anywhere means full; anything else is a stage problem.
     if any(isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures.values()):
