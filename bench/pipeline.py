@@ -28,6 +28,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,7 +105,8 @@ class BenchConfig:
 
 # --smoke: the same script on the CPU with the tiny checkpoint (explicit flags still win).
 SMOKE = dict(preset="tiny", device="cpu", sessions="2", duration_s=4.0, client_procs=1, mps=False, window_s=2.0,
-             ready_timeout_s=120.0, open_timeout_s=60.0, progress_every_s=1.0)
+             ready_timeout_s=120.0, open_timeout_s=60.0, progress_every_s=1.0,
+             out=os.path.join(tempfile.gettempdir(), "pipeline-smoke"))  # never over the GPU results
 
 
 def parse_args(argv: list[str] | None) -> BenchConfig:
@@ -122,6 +124,15 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     cfg = BenchConfig(**{**base, **given})
     cfg.validate()
     return cfg
+
+
+def public_config(cfg: BenchConfig) -> dict:
+    """The config for pipeline.json, without this machine's paths (results may be committed)."""
+    d = asdict(cfg)
+    for k in ("checkpoint", "out", "work_dir"):
+        if d[k] and os.path.isabs(d[k]):
+            d[k] = "<" + k + ">"
+    return d
 
 
 def log(msg: str) -> None:
@@ -158,7 +169,8 @@ def build_checkpoint(cfg: BenchConfig, work: Path) -> Path:
         text = f.read()
     if proc.returncode != 0:
         raise SystemExit(f"tools.make_checkpoint failed (exit {proc.returncode}):\n{text[-4000:]}")
-    path = Path(text.strip().splitlines()[-1].strip())  # it prints the directory last
+    # The full build goes where we said; the tiny one is the shared cache, whose path it prints last.
+    path = out if out is not None else Path(text.strip().splitlines()[-1].strip())
     if not (path / "config.json").is_file():
         raise SystemExit(f"tools.make_checkpoint did not leave a checkpoint at {path}:\n{text[-4000:]}")
     return path
@@ -190,6 +202,18 @@ class Mps:
             raise SystemExit(f"nvidia-cuda-mps-control -d failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
         self.started = True
         os.environ.update(self.env)
+
+    def probe(self) -> str | None:
+        """One tiny CUDA client through the daemon; the error text if that fails, else None."""
+        code = "import torch; x = torch.ones(8, device='cuda'); torch.cuda.synchronize(); print(float(x.sum()))"
+        try:
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                               env={**os.environ, **self.env})
+        except subprocess.TimeoutExpired:
+            return "a CUDA client did not finish within 180 s under MPS"
+        if r.returncode != 0 or r.stdout.strip() != "8.0":
+            return f"a CUDA client failed under MPS (exit {r.returncode}): {(r.stderr or r.stdout)[-2000:]}"
+        return None
 
     def query(self, command: str) -> str:
         r = self._run([], stdin=command + "\n")
@@ -315,12 +339,15 @@ async def wait_all_free(procs: dict[str, ServiceProcess], need: int, timeout_s: 
         await asyncio.sleep(0.2)
 
 
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+
+
 def scrape(procs: dict[str, ServiceProcess]) -> dict:
     """One /metrics snapshot per stage (None for a stage that did not answer)."""
     snaps = {}
     for s, p in procs.items():
         try:
-            with urllib.request.urlopen(p.metrics_url, timeout=3) as r:
+            with _LOCAL.open(p.metrics_url, timeout=3) as r:
                 snaps[s] = parse_metrics(r.read().decode())
         except OSError:
             snaps[s] = None
@@ -483,8 +510,20 @@ async def sweep(cfg: BenchConfig, procs: dict[str, ServiceProcess], ns: list[int
         write()
 
 
+def local_only_network() -> None:
+    """Everything this bench talks to is on 127.0.0.1: keep any HTTP/gRPC proxy setting out of it."""
+    for var in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
+        os.environ[var] = ",".join(x for x in ("127.0.0.1", "localhost", os.environ.get(var, "")) if x)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks: services stopped, MPS quit
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    local_only_network()
     t_start = time.monotonic()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -492,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="pipeline-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"bench": "pipeline", "mode": "smoke (cpu, tiny)" if cfg.smoke else f"{cfg.preset} on {cfg.device}",
-                    "config": asdict(cfg), "host": {"cpu_cores": os.cpu_count(), "gpu": gpu_state()},
+                    "config": public_config(cfg), "host": {"cpu_cores": os.cpu_count(), "gpu": gpu_state()},
                     "phases_s": {}, "services": None, "mps": {"enabled": cfg.mps}, "runs": [],
                     "largest_passing_sessions": None}
 
@@ -510,15 +549,25 @@ def main(argv: list[str] | None = None) -> int:
         if checkpoint is None:
             checkpoint = build_checkpoint(cfg, work)
         result["phases_s"]["checkpoint"] = round(time.monotonic() - t, 1)
-        result["checkpoint"] = str(checkpoint) if cfg.checkpoint else f"built: {cfg.preset} seed {cfg.seed}"
+        result["checkpoint"] = "given (--checkpoint)" if cfg.checkpoint else f"built: {cfg.preset} seed {cfg.seed}"
         log(f"checkpoint ready in {result['phases_s']['checkpoint']:.1f} s: {checkpoint}")
         write()
 
         if mps is not None:
             t = time.monotonic()
             mps.start()
+            problem = mps.probe()
             result["phases_s"]["mps_start"] = round(time.monotonic() - t, 1)
-            log(f"mps: control daemon up (pipe dir {mps.env['CUDA_MPS_PIPE_DIRECTORY']})")
+            if problem is None:
+                result["mps"]["server_list_after_probe"] = mps.query("get_server_list")
+                log(f"mps: control daemon up, a CUDA client ran through it ({result['phases_s']['mps_start']:.1f} s)")
+            else:
+                # Measure without MPS rather than not at all; the report says so everywhere.
+                result["mps"] = {"enabled": False, "requested": True, "error": problem,
+                                 "control_log_tail": mps.stop()}
+                mps = None
+                log(f"mps: NOT IN USE, continuing without it: {problem}")
+            write()
 
         # Services: slots = the largest N; if they do not start, the next smaller N.
         ns = cfg.sweep
@@ -540,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             log("services: no slot count started; see pipeline.json")
             return 3
         result["phases_s"]["services_start"] = round(time.monotonic() - t, 1)
+        info["args"] = {st: a.replace(str(checkpoint), "<checkpoint>") for st, a in info["args"].items()}
         info["gpu_after_start"] = gpu_state()
         result["services"] = info
         if mps is not None:
@@ -562,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print_table(result)
     png = plot(result, out / "pipeline.png")
-    result["png"] = str(png) if png else None
+    result["png"] = png.name if png else None
     write()
     log(f"wrote {out / 'pipeline.json'}" + (f" and {png}" if png else "") +
         f"; phases (s): {json.dumps(result['phases_s'])}")
