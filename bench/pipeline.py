@@ -184,7 +184,8 @@ class Mps:
 
     def __init__(self) -> None:
         self.exe = shutil.which("nvidia-cuda-mps-control")
-        self.root = Path(tempfile.mkdtemp(prefix="pipeline-mps-"))
+        # Short: the pipe dir holds a Unix socket, whose path must stay under ~100 characters.
+        self.root = Path(tempfile.mkdtemp(prefix="pmps-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(self.root / "log")}
         self.started = False
 
@@ -463,8 +464,16 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
             d.cancel()
         for lp in loaders:
             await lp.close()
-    summary = summarize_run(n, results, refused, snapshots, duration_s=cfg.duration_s, frames=frames,
-                            window_s=cfg.window_s, backlog_growth_frames=cfg.backlog_growth_frames)
+    try:
+        summary = summarize_run(n, results, refused, snapshots, duration_s=cfg.duration_s, frames=frames,
+                                window_s=cfg.window_s, backlog_growth_frames=cfg.backlog_growth_frames)
+    except Exception as e:
+        # Keep what was measured: the raw records can be summarized again offline.
+        raw = Path(cfg.out) / f"pipeline-raw-n{n}.json"
+        raw.write_text(json.dumps({"results": results, "refused": refused,
+                                   "snapshots": [[t, {s: None if snap is None else [[k[0], list(k[1]), v] for k, v in snap.items()]
+                                                      for s, snap in snaps.items()}] for t, snaps in snapshots]}))
+        raise RuntimeError(f"summarizing N={n} failed ({type(e).__name__}: {e}); raw records in {raw.name}") from e
     summary["client_procs"] = k
     summary["phases_s"] = phases
     if service_exits:
@@ -499,8 +508,8 @@ async def sweep(cfg: BenchConfig, procs: dict[str, ServiceProcess], ns: list[int
         t0 = time.monotonic()
         try:
             summary = await run_sessions(cfg, procs, n, work)
-        except (LoadProcessError, RuntimeError) as e:
-            log(f"N={n}: run failed: {e}")
+        except Exception as e:  # one N's failure is a row of the report, not the end of the sweep
+            log(f"N={n}: run failed: {type(e).__name__}: {e}")
             summary = {"sessions": n, "pass": False, "failed": str(e)[-4000:]}
         summary["wall_s"] = round(time.monotonic() - t0, 1)
         if "checks" in summary:
@@ -610,8 +619,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / "checkpoint", ignore_errors=True)
         write()
 
-    print_table(result)
-    png = plot(result, out / "pipeline.png")
+    try:
+        print_table(result)
+        png = plot(result, out / "pipeline.png")
+    except Exception as e:  # the JSON is written; a report glitch must not hide it
+        log(f"report: table/plot failed: {type(e).__name__}: {e}")
+        png = None
     result["png"] = png.name if png else None
     write()
     log(f"wrote {out / 'pipeline.json'}" + (f" and {png}" if png else "") +

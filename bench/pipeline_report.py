@@ -3,10 +3,11 @@ table, and the timeline plot.
 
 Definitions (also written into pipeline.json):
 - e2e latency: PCM frame i handed to the encoder stream -> the decoded PCM of the talker output
-  whose input_seq is i received by the load process. The model's output delay (1 frame: the first
-  input frame yields no output) shows as frames_out = frames_in - delay per session; the latency of
-  a frame that does get an output is the serving path's (encoder, talker tick wait and step,
-  decoder, three gRPC hops), not the 80 ms it takes to capture a frame.
+  whose input_seq is i (the output of the talker step that consumed frame i) received by the load
+  process. The model's 1-frame delay shows in two ways that this number does not hide: the first
+  input frame yields no output (frames_out = frames_in - output_delay_frames per session), and each
+  output's semantic code was sampled one step earlier, so the agent reacts to the user one frame
+  (80 ms) later than e2e says; e2e also leaves out the 80 ms it takes to capture a frame.
 - stage step / talker tick quantiles: from each service's Prometheus histograms, the bucket deltas
   between the scrape before the shared start and the one after the last output; quantiles are
   interpolated inside a bucket (bucket resolution). The 80 ms pass line is a bucket bound, so
@@ -40,8 +41,10 @@ TICK_BUDGET_S = 0.080  # one frame: a talker tick over this is a late frame for 
 
 DEFINITIONS = {
     "e2e_ms": "PCM frame i sent to the encoder stream -> decoded PCM of the talker output with input_seq i "
-              "received; frames_out = frames_in - output_delay_frames (the model's 1-frame delay: the first "
-              "input yields no output); excludes the 80 ms capture time of a frame",
+              "(the talker step that consumed frame i) received. The model's 1-frame delay: the first input "
+              "yields no output (frames_out = frames_in - output_delay_frames) and each output's semantic code "
+              "was sampled one step earlier, so the agent reacts one frame (80 ms) later than e2e; e2e also "
+              "excludes the 80 ms capture time of a frame",
     "stage quantiles": "Prometheus histogram bucket deltas over the run (before start -> after the last output), "
                        "interpolated inside a bucket: bucket resolution",
     "talker_tick": "one conversation-clock tick that stepped (main batched step + catch-up steps)",
