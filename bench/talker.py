@@ -134,23 +134,9 @@ def bench_ours(model: LMModel, tok: TextTokenizer, B: int, steps: int, kv_format
 
 
 def moshi_reference(model16: LMModel):
-    from moshi.models import lm as moshi_lm
+    from tools.moshi_reference import moshi_lm_model
 
-    cfg = model16.cfg
-    ff = 3 * cfg.hidden // 2
-    dep_ff = 3 * cfg.dep_hidden // 2
-    ref = moshi_lm.LMModel(
-        delays=list(cfg.delays), n_q=cfg.n_q, dep_q=cfg.dep_q, card=cfg.card, text_card=cfg.text_card,
-        existing_text_padding_id=3, dim=cfg.dim, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-        hidden_scale=ff / cfg.dim, causal=True, layer_scale=None, context=cfg.context,
-        max_period=cfg.max_period, gating="silu", norm="rms_norm_f32", positional_embedding="rope",
-        depformer_dim=cfg.dep_dim, depformer_dim_feedforward=dep_ff, depformer_num_heads=cfg.dep_heads,
-        depformer_num_layers=cfg.dep_layers, depformer_layer_scale=None, depformer_multi_linear=True,
-        depformer_context=cfg.dep_q, depformer_max_period=cfg.max_period, depformer_gating="silu",
-        depformer_pos_emb="none", depformer_weights_per_step=True, device=model16.device, dtype=model16.dtype,
-    )
-    ref.load_state_dict(model16.state_dict(), strict=True)
-    return ref.eval()
+    return moshi_lm_model(model16.cfg, model16.state_dict(), model16.dtype, model16.device)
 
 
 def bench_reference(ref, B: int, steps: int) -> dict:

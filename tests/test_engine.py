@@ -23,6 +23,7 @@ from services.talker.engine import InvalidPersona, InvalidSampling, SamplingPara
 from services.talker.model import LMConfig
 from services.talker.sampling import RowParams, noise_key, sample, uniform_noise
 from services.talker.voices import RING, load_voice
+from tools.moshi_reference import moshi_lm_model
 
 GREEDY = SamplingParams(greedy=True)
 PERSONA = "You are kind."
@@ -63,22 +64,7 @@ def run_session(eng: TalkerEngine, slot: int, frames: torch.Tensor):
 
 
 def moshi_lm(cfg: LMConfig, state: dict):
-    """moshi's LMModel (PersonaPlex settings, as moshi.models.loaders builds it) at cfg's sizes."""
-    from moshi.models.lm import LMModel as MoshiLM
-
-    ff, dep_ff = 3 * cfg.hidden // 2, 3 * cfg.dep_hidden // 2
-    ref = MoshiLM(
-        delays=list(cfg.delays), n_q=cfg.n_q, dep_q=cfg.dep_q, card=cfg.card, text_card=cfg.text_card,
-        existing_text_padding_id=3, dim=cfg.dim, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-        hidden_scale=ff / cfg.dim, causal=True, layer_scale=None, context=cfg.context,
-        max_period=cfg.max_period, gating="silu", norm="rms_norm_f32", positional_embedding="rope",
-        depformer_dim=cfg.dep_dim, depformer_dim_feedforward=dep_ff, depformer_num_heads=cfg.dep_heads,
-        depformer_num_layers=cfg.dep_layers, depformer_layer_scale=None, depformer_multi_linear=True,
-        depformer_context=cfg.dep_q, depformer_max_period=cfg.max_period, depformer_gating="silu",
-        depformer_pos_emb="none", depformer_weights_per_step=True, device="cpu", dtype=torch.float32,
-    )
-    ref.load_state_dict(state, strict=True)  # published fused names, through moshi's load hook
-    return ref.eval()
+    return moshi_lm_model(cfg, state)
 
 
 def test_greedy_parity_with_moshi_lmgen(paths):

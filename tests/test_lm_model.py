@@ -22,6 +22,8 @@ from services.talker.model import LMConfig, LMModel
 import moshi.models.lm as moshi_lm  # noqa: E402  (test-only reference; `make test` installs it: never skip parity)
 from moshi.utils.compile import no_compile  # noqa: E402
 
+from tools.moshi_reference import moshi_lm_model  # noqa: E402
+
 TINY = LMConfig.tiny()
 
 
@@ -33,22 +35,7 @@ def _moshi_eager():
 
 
 def moshi_model(cfg: LMConfig, state: dict, dtype: torch.dtype):
-    """moshi's LMModel with the PersonaPlex settings of moshi.models.loaders._lm_kwargs, at cfg's sizes."""
-    ff = 3 * cfg.hidden // 2  # moshi's gating hidden is 2 * dim_feedforward // 3
-    dep_ff = 3 * cfg.dep_hidden // 2
-    assert 2 * ff // 3 == cfg.hidden and ff != 4 * cfg.dim and 2 * dep_ff // 3 == cfg.dep_hidden
-    ref = moshi_lm.LMModel(
-        delays=list(cfg.delays), n_q=cfg.n_q, dep_q=cfg.dep_q, card=cfg.card, text_card=cfg.text_card,
-        existing_text_padding_id=3, dim=cfg.dim, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-        hidden_scale=ff / cfg.dim, causal=True, layer_scale=None, context=cfg.context,
-        max_period=cfg.max_period, gating="silu", norm="rms_norm_f32", positional_embedding="rope",
-        depformer_dim=cfg.dep_dim, depformer_dim_feedforward=dep_ff, depformer_num_heads=cfg.dep_heads,
-        depformer_num_layers=cfg.dep_layers, depformer_layer_scale=None, depformer_multi_linear=True,
-        depformer_context=cfg.dep_q, depformer_max_period=cfg.max_period, depformer_gating="silu",
-        depformer_pos_emb="none", depformer_weights_per_step=True, device="cpu", dtype=dtype,
-    )
-    ref.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)  # fused names, via moshi's hook
-    return ref.eval()
+    return moshi_lm_model(cfg, state, dtype)
 
 
 def random_tokens(cfg: LMConfig, B: int, T: int, seed: int) -> torch.Tensor:
