@@ -142,17 +142,22 @@ def log(msg: str) -> None:
 # ---- phase 1: checkpoint ------------------------------------------------------------------------
 
 def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+    total = 0
+    for f in path.rglob("*") if path.exists() else ():
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:  # a file replaced while the builder writes
+            pass
+    return total
 
 
 def build_checkpoint(cfg: BenchConfig, work: Path) -> Path:
-    """The tiny preset comes from the shared cache; the full one is built into the work dir (on the
-    GPU when the services run there: seconds instead of the minutes a CPU init takes)."""
-    cmd = [sys.executable, "-m", "tools.make_checkpoint", "--preset", cfg.preset, "--seed", str(cfg.seed)]
-    out = None
-    if cfg.preset == "full":
-        out = work / "checkpoint"
-        cmd += ["--out", str(out), "--device", "cuda" if cfg.cuda else "cpu"]
+    """Build the preset's random checkpoint into the work dir, on the GPU when the services run
+    there (seconds instead of the minutes a CPU init of the full model takes). The tiny preset
+    takes the same path, so --smoke runs exactly the code the GPU run does."""
+    out = work / "checkpoint"
+    cmd = [sys.executable, "-m", "tools.make_checkpoint", "--preset", cfg.preset, "--seed", str(cfg.seed),
+           "--out", str(out), "--device", "cuda" if cfg.cuda else "cpu"]
     log(f"checkpoint: {' '.join(cmd[1:])}")
     build_log = work / "make_checkpoint.log"
     t0 = time.monotonic()
@@ -162,18 +167,16 @@ def build_checkpoint(cfg: BenchConfig, work: Path) -> Path:
         while proc.poll() is None:
             time.sleep(0.5)
             if time.monotonic() >= next_note:
-                size = f" ({dir_bytes(out) / 1e9:.1f} GB written)" if out else ""
-                log(f"checkpoint: building, {time.monotonic() - t0:.0f} s{size}")
+                log(f"checkpoint: building, {time.monotonic() - t0:.0f} s ({dir_bytes(out) / 1e9:.1f} GB written)")
                 next_note += 10
         f.seek(0)
         text = f.read()
     if proc.returncode != 0:
         raise SystemExit(f"tools.make_checkpoint failed (exit {proc.returncode}):\n{text[-4000:]}")
-    # The full build goes where we said; the tiny one is the shared cache, whose path it prints last.
-    path = out if out is not None else Path(text.strip().splitlines()[-1].strip())
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"tools.make_checkpoint did not leave a checkpoint at {path}:\n{text[-4000:]}")
-    return path
+    if not (out / "config.json").is_file():
+        raise SystemExit(f"tools.make_checkpoint did not leave a checkpoint at {out}:\n{text[-4000:]}")
+    log(f"checkpoint: {dir_bytes(out) / 1e9:.2f} GB")
+    return out
 
 
 # ---- phase 2: MPS -------------------------------------------------------------------------------
@@ -601,8 +604,12 @@ def main(argv: list[str] | None = None) -> int:
         info["args"] = {st: a.replace(str(checkpoint), "<checkpoint>") for st, a in info["args"].items()}
         info["gpu_after_start"] = gpu_state()
         result["services"] = info
-        if mps is not None:
-            result["mps"]["server_list"] = mps.query("get_server_list")
+        if mps is not None:  # evidence that the three services are clients of our MPS server
+            servers = mps.query("get_server_list")
+            result["mps"]["server_list"] = servers
+            result["mps"]["client_lists"] = {pid: mps.query(f"get_client_list {pid}") for pid in servers.split() if pid.isdigit()}
+            result["mps"]["service_pids"] = {st: p.proc.pid for st, p in procs.items()}
+            log(f"mps: servers {servers or '-'}; clients {result['mps']['client_lists']}")
         write()
 
         asyncio.run(sweep(cfg, procs, ns, work, result, write))
@@ -613,9 +620,11 @@ def main(argv: list[str] | None = None) -> int:
             stop_services(procs)
         if mps is not None:
             result["mps"]["control_log_tail"] = mps.stop()
-        if own_work and not cfg.keep_checkpoint:
+        if cfg.keep_checkpoint:
+            log(f"kept the work dir (checkpoint, load records): {work}")
+        elif own_work:
             shutil.rmtree(work, ignore_errors=True)
-        elif not cfg.keep_checkpoint and cfg.preset == "full" and not cfg.checkpoint:
+        elif not cfg.checkpoint:
             shutil.rmtree(work / "checkpoint", ignore_errors=True)
         write()
 
