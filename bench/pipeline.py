@@ -41,7 +41,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from bench.pipeline_report import plot, print_table, summarize_run
-from bench.pipeline_stats import parse_metrics
+from bench.pipeline_stats import bucket_quantile, histogram_delta, parse_metrics
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, _die_with_parent, health_status
 
@@ -379,7 +379,7 @@ class LoadProcess:
         with open(stderr_path, "w") as err:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "bench.pipeline_load", cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=err, preexec_fn=_die_with_parent)
+                stdout=asyncio.subprocess.PIPE, stderr=err, preexec_fn=_die_with_parent, limit=4 * 1024 * 1024)
         return cls(index, proc, stderr_path)
 
     async def _read(self) -> None:
@@ -437,8 +437,9 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
         log(f"N={n}: {admitted}/{n} sessions admitted in {phases['admission_s']:.1f} s over {k} load processes"
             + (f"; refused: {refused[:3]}" if refused else ""))
 
+        before = await asyncio.to_thread(scrape, procs)  # first: a slow scrape must not eat the lead time
         start_at = time.monotonic() + START_LEAD_S
-        snapshots = [(-START_LEAD_S, await asyncio.to_thread(scrape, procs))]
+        snapshots = [(-START_LEAD_S, before)]
         for lp in loaders:
             await lp.send({"start_at": start_at})
         done = [asyncio.create_task(lp.expect("done", cfg.duration_s + cfg.cleanup_timeout_s + 120)) for lp in loaders]
@@ -487,8 +488,6 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
 
 
 def progress_line(n: int, start_at: float, duration_s: float, loaders: list[LoadProcess], snapshots: list) -> str:
-    from bench.pipeline_stats import bucket_quantile, histogram_delta
-
     sent = sum(lp.progress.get("sent", 0) for lp in loaders)
     recv = sum(lp.progress.get("recv", 0) for lp in loaders)
     errors = sum(lp.progress.get("errors", 0) for lp in loaders)
