@@ -376,13 +376,14 @@ class RealtimeSession:
             "capabilities": capabilities(self.ctx.pool.capacity_summary(), p.output_delay_frames if p else None),
         }
 
-    async def _open(self, settings: SessionSettings) -> bool:
-        """Admit the session on a cell. On refusal the error goes out before any session.created."""
+    async def _open(self, settings: SessionSettings, client_event_id: str | None = None) -> bool:
+        """Admit the session on a cell. On refusal the error goes out before any session.created
+        (naming the session.update that asked, if it carried an event_id)."""
         try:
             pipeline = await self._open_pipeline(settings)
         except PipelineError as e:
             self.ctx.metrics.sessions_refused.labels("realtime", e.code).inc()
-            self.emit_error(e.error_type, e.code, e.message, param="session" if e.client_fault else None)
+            self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
             if not e.client_fault:
                 self._close_code, self._close_reason = (1013, "try again later") if e.code == "resource_exhausted" else (1011, "runtime open failed")
                 self._ended.set()
@@ -414,8 +415,9 @@ class RealtimeSession:
         if self.st.closing:
             raise ClientError("bad_event", "the session is closing")
         new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars)
+        client_event_id = event["event_id"] if isinstance(event.get("event_id"), str) else None
         if self.st.pipeline is None:
-            await self._open(new)
+            await self._open(new, client_event_id)
             return
         old = self.st.settings
         if self.st.audio_started:
@@ -429,7 +431,7 @@ class RealtimeSession:
             try:
                 self.st.pipeline = await self._open_pipeline(new, prefer=cell)
             except PipelineError as e:
-                self.emit_error(e.error_type, e.code, e.message, param="session" if e.client_fault else None)
+                self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
                 if e.client_fault:  # keep the session usable with its previous settings
                     self.st.pipeline = await self._open_pipeline(old, prefer=cell)
                     return
