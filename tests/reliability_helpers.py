@@ -1,0 +1,279 @@
+"""Small shared pieces of the reliability suite (tests/test_reliability_*.py).
+
+- audio: `tone`, `pcm16_b64`, `f32_b64` (test input that is never silent);
+- `RT`: an async raw Realtime client that records every event and checks its envelope
+  (a trimmed copy of the one in test_gateway_e2e.py, so those tests stay theirs);
+- `SyncRT`: the same over websockets' sync client, for hypothesis (which runs sync tests);
+- `Feeder`: a background thread holding one paced session open and counting its output,
+  the "other session that must keep going" of every test here;
+- what "nothing leaked" is read from: every stage's GetCapacity (`stage_counts`), the
+  gateway's /metrics gauges (`gateway_metric`), and a process's RSS (`rss_mb`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+from websockets.asyncio.client import connect
+from websockets.sync.client import connect as sync_connect
+
+from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
+
+SR, FRAME = 24_000, 1920
+OUTPUT_EVENTS = ("response.created", "response.output_audio.delta", "response.output_audio_transcript.delta")
+_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub, "decoder": decoder_pb2_grpc.DecoderStub}
+
+
+def tone(frames: int, f0: float = 220.0, seed: int = 0) -> np.ndarray:
+    """Non-silent test speech stand-in: a gliding tone plus a little noise (float32, 24 kHz)."""
+    t = np.arange(frames * FRAME) / SR
+    rng = np.random.default_rng(seed)
+    return (0.3 * np.sin(2 * np.pi * f0 * t * (1 + 0.5 * t)) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def pcm16_b64(x: np.ndarray) -> str:
+    return base64.b64encode((np.clip(x, -1, 1) * 32767).round().astype("<i2").tobytes()).decode()
+
+
+def f32_b64(x: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(x, "<f4").tobytes()).decode()
+
+
+def append(x: np.ndarray, fmt: str = "pcm16") -> dict:
+    return {"type": "input_audio_buffer.append", "audio": pcm16_b64(x) if fmt == "pcm16" else f32_b64(x)}
+
+
+# ---- what "nothing leaked" reads ------------------------------------------------------------
+
+def capacity(address: str, stage: str):
+    with grpc.insecure_channel(address) as ch:
+        return _STUBS[stage](ch).GetCapacity(common_pb2.CapacityRequest(), timeout=5)
+
+
+def stage_counts(stack, cells=None) -> dict:
+    """{(cell, stage): (free_slots, active_streams)} for every stage of the given cells (default all)."""
+    out = {}
+    for i, cell in enumerate(stack.cell_procs):
+        if cells is not None and i not in cells:
+            continue
+        for stage in ("encoder", "talker", "decoder"):
+            c = capacity(getattr(cell, stage).address, stage)
+            out[(i, stage)] = (c.free_slots, c.active_streams)
+    return out
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def gateway_metric(gateway, name: str) -> float:
+    """Sum of all samples of one metric (every label set) at the gateway's /metrics."""
+    _, body = http_get(gateway.http_url + "/metrics")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def wait_until(predicate, timeout: float = 20.0, period: float = 0.1):
+    """Poll `predicate` until it returns something truthy; return its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(period)
+
+
+async def async_wait_until(predicate, timeout: float = 20.0, period: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(period)
+
+
+# ---- clients --------------------------------------------------------------------------------
+
+def _check_envelope(ev: dict, last_seq: int) -> int:
+    assert isinstance(ev.get("event_id"), str) and ev["event_id"], ev
+    assert ev["server_event_seq"] > last_seq, "server_event_seq must increase"
+    return ev["server_event_seq"]
+
+
+class RT:
+    """Async raw Realtime client: records every event, checks the envelope of each."""
+
+    def __init__(self, ws):
+        self.ws, self.events, self.last_seq = ws, [], 0
+
+    @classmethod
+    async def connect(cls, url: str, **kw) -> "RT":
+        return cls(await connect(url, max_size=None, open_timeout=60, **kw))
+
+    async def send(self, event: dict) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def recv(self, timeout: float = 60.0) -> dict:
+        ev = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        self.last_seq = _check_envelope(ev, self.last_seq)
+        self.events.append(ev)
+        return ev
+
+    async def until(self, type_: str, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            ev = await self.recv(max(0.01, deadline - time.monotonic()))
+            if ev["type"] == type_:
+                return ev
+            assert ev["type"] != "error", ev
+
+    async def open(self, **session) -> dict:
+        """session.update; returns the first answer (session.created, or the refusal)."""
+        await self.send({"type": "session.update", "session": {"type": "realtime", **session}})
+        return await self.recv(120)
+
+    def of(self, type_: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == type_]
+
+    @property
+    def frames(self) -> int:
+        return len(self.of("response.output_audio.delta"))
+
+    async def wait_frames(self, k: int, timeout: float = 60.0) -> int:
+        """Read until at least k output frames arrived (an error event fails the test)."""
+        deadline = time.monotonic() + timeout
+        while self.frames < k and time.monotonic() < deadline:
+            try:
+                ev = await self.recv(deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            assert ev["type"] != "error", ev
+        return self.frames
+
+    async def close(self) -> dict:
+        """session.close -> response.done -> session.closed; returns session.closed."""
+        await self.send({"type": "session.close"})
+        await self.until("response.done", 120)
+        closed = await self.until("session.closed", 60)
+        await self.ws.close()
+        return closed
+
+
+class SyncRT:
+    """The same client on websockets' sync API (hypothesis tests are sync functions)."""
+
+    def __init__(self, url: str, **kw):
+        self.ws = sync_connect(url, max_size=None, open_timeout=60, legacy=True, **kw)
+        self.events: list[dict] = []
+        self.last_seq = 0
+
+    def send(self, event: dict | str | bytes) -> None:
+        self.ws.send(event if isinstance(event, (str, bytes)) else json.dumps(event))
+
+    def recv(self, timeout: float = 30.0) -> dict:
+        ev = json.loads(self.ws.recv(timeout))
+        self.last_seq = _check_envelope(ev, self.last_seq)
+        self.events.append(ev)
+        return ev
+
+    def next_reply(self, timeout: float = 30.0) -> dict:
+        """The next event that is not continuous output (output of earlier appends may come first)."""
+        while (ev := self.recv(timeout))["type"] in OUTPUT_EVENTS:
+            pass
+        return ev
+
+    @property
+    def frames(self) -> int:
+        return sum(e["type"] == "response.output_audio.delta" for e in self.events)
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+class Feeder:
+    """One session paced at real time in a background thread, counting its output frames.
+
+    The "untouched session" of a test: `frames` must keep increasing while the test does
+    its damage elsewhere; `check_alive` asserts it did since the last call. Stop with
+    `stop()`, which closes the session with session.close and returns its session.closed.
+    """
+
+    def __init__(self, url: str, period_s: float = FRAME / SR, **session):
+        self.rt = SyncRT(url)
+        self.rt.send({"type": "session.update", "session": {"type": "realtime", **session}})
+        created = self.rt.recv(120)
+        assert created["type"] == "session.created", created
+        self.period_s = period_s
+        self.sent = 0
+        self.errors: list[dict] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._last_checked = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @property
+    def frames(self) -> int:
+        with self._lock:
+            return self.rt.frames
+
+    def _run(self) -> None:
+        x = tone(1, 300)
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            if time.monotonic() >= next_at:
+                self.rt.send(append(x))
+                self.sent += 1
+                next_at += self.period_s
+            try:
+                ev = json.loads(self.rt.ws.recv(max(0.001, next_at - time.monotonic())))
+            except TimeoutError:
+                continue
+            with self._lock:
+                self.rt.events.append(ev)
+            if ev["type"] == "error":
+                self.errors.append(ev)
+
+    def check_alive(self, min_new: int = 1, timeout: float = 30.0) -> int:
+        """Assert at least `min_new` output frames arrived since the last check (waiting up to timeout)."""
+        target = self._last_checked + min_new
+        got = wait_until(lambda: self.frames >= target or self.errors, timeout)
+        assert not self.errors, self.errors
+        assert self.frames >= target, f"the untouched session stalled: {self.frames} frames, expected >= {target}"
+        self._last_checked = self.frames
+        return self.frames
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(10)
+        assert not self.errors, self.errors
+        self.rt.send({"type": "session.close"})
+        deadline = time.monotonic() + 60
+        while (ev := self.rt.recv(max(0.1, deadline - time.monotonic())))["type"] != "session.closed":
+            assert ev["type"] != "error", ev
+        self.rt.close()
+        assert ev["frames_out"] <= ev["frames_in"] == self.sent, ev
+        return ev
