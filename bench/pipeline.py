@@ -73,7 +73,10 @@ class BenchConfig:
     codec_args: str = ""  # extra encoder/decoder flags
     window_s: float = 10.0  # output-rate windows
     backlog_growth_frames: float = 2.0  # backlog growth over a run above this = falling behind
-    ready_timeout_s: float = 300.0
+    ready_timeout_s: float = 240.0
+    # Wall-clock budget of the whole script: a fallback start or a further N that could not finish
+    # inside it is skipped (and says so), so the report is always written before an outer limit.
+    time_budget_s: float = 570.0
     open_timeout_s: float = 120.0
     stall_timeout_s: float = 10.0
     cleanup_timeout_s: float = 30.0
@@ -505,9 +508,14 @@ def progress_line(n: int, start_at: float, duration_s: float, loaders: list[Load
 # ---- main ---------------------------------------------------------------------------------------
 
 async def sweep(cfg: BenchConfig, procs: dict[str, ServiceProcess], ns: list[int], work: Path, result: dict,
-                write) -> None:
+                write, deadline: float) -> None:
     for n in ns:
         t0 = time.monotonic()
+        if deadline - t0 < cfg.duration_s + 45:
+            log(f"N={n}: skipped, {deadline - t0:.0f} s left of --time-budget-s")
+            result["runs"].append({"sessions": n, "pass": False, "failed": "skipped: not enough of --time-budget-s left"})
+            write()
+            continue
         try:
             summary = await run_sessions(cfg, procs, n, work)
         except Exception as e:  # one N's failure is a row of the report, not the end of the sweep
@@ -533,6 +541,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    deadline = time.monotonic() + cfg.time_budget_s
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     local_only_network()
     t_start = time.monotonic()
@@ -586,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
         result["service_start_failures"] = []
         t = time.monotonic()
         for slots in candidates:
+            if slots != candidates[0] and deadline - time.monotonic() < cfg.ready_timeout_s / 2 + cfg.duration_s + 60:
+                log(f"services: no time left in --time-budget-s to try {slots} slots")
+                result["service_start_failures"].append({"slots": slots, "error": "skipped: time budget"})
+                continue
             slots_total = slots + cfg.extra_slots
             log(f"services: starting encoder, talker, decoder with {slots_total} slots on {cfg.device}")
             try:
@@ -611,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"mps: servers {servers or '-'}; clients {result['mps']['client_lists']}")
         write()
 
-        asyncio.run(sweep(cfg, procs, ns, work, result, write))
+        asyncio.run(sweep(cfg, procs, ns, work, result, write, deadline))
         result["host"]["gpu_at_end"] = gpu_state()
     finally:
         if procs:
