@@ -27,6 +27,7 @@ import json
 import logging
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import grpc
@@ -168,7 +169,8 @@ async def main() -> None:
     cell = make_cell(*cfg["cell"])
     runs = [SessionRun(sid) for sid in cfg["stream_ids"]]
     # All of this process's sessions open at once, like simultaneous arrivals at a gateway.
-    await asyncio.gather(*(open_session(cell, r, cfg, seed=1000 + i) for i, r in enumerate(runs)))
+    # Seeds from the stream ids: distinct across load processes, the same on a rerun (0 would be random).
+    await asyncio.gather(*(open_session(cell, r, cfg, seed=1 + zlib.crc32(r.stream_id.encode())) for r in runs))
     live = [r for r in runs if r.pipeline is not None]
     emit({"admitted": [r.stream_id for r in live],
           "refused": [{"stream_id": r.stream_id, **r.error} for r in runs if r.pipeline is None]})
