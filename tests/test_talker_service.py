@@ -491,3 +491,22 @@ def test_config_env_then_flags_and_bad_values():
         TalkerConfig.load([], env={})  # no checkpoint
     with pytest.raises(SystemExit):
         TalkerConfig.load(["--checkpoint", "/x"], env={"TALKER_SLOTS": "many"})
+
+
+def test_prefill_chunk_cost_model_sizes_chunks_to_the_time_left():
+    """A GPU-like cost (mostly fixed per chunk) must allow big chunks in a small spare time; a
+    CPU-like cost (per frame) must not. A per-frame average alone gets the GPU case wrong."""
+    from services.talker.scheduler import ChunkCost
+
+    gpu = ChunkCost()
+    assert gpu.frames_within(0.010) == 1  # uncalibrated: one frame
+    gpu.observe(1, 0.008)  # 8 ms fixed
+    assert gpu.frames_within(0.005) == 0 and gpu.frames_within(0.010) == 8
+    gpu.observe(8, 0.0087)  # +0.1 ms per frame
+    assert gpu.frames_within(0.012) >= 40  # a whole prompt chunk fits a 12 ms gap
+    cpu = ChunkCost()
+    cpu.observe(1, 0.002)
+    cpu.observe(8, 0.016)  # 2 ms per frame
+    assert cpu.frames_within(0.012) == 6
+    cpu.observe(6, 0.030)  # slower than expected: the estimate rises at once
+    assert cpu.frames_within(0.012) < 6

@@ -88,6 +88,40 @@ class Session:
     prefill_started: float = 0.0
 
 
+class ChunkCost:
+    """The time of a prefill chunk of T frames, modelled as fixed + T * per_frame.
+
+    On a GPU a chunk costs mostly its fixed part (kernel launches, one read of the weights),
+    whatever T; on a CPU it grows with T. A per-frame average alone would make a GPU size every
+    chunk at one frame and prefill a prompt at one frame per period (seconds per session).
+    Estimates rise at once and fall slowly, so a chunk that overshot once is not repeated.
+    """
+
+    def __init__(self) -> None:
+        self.fixed_s: float | None = None  # from 1-frame chunks (the first chunk is one frame)
+        self.per_frame_s: float | None = None  # from longer chunks, beyond the fixed part
+
+    @staticmethod
+    def _update(old: float | None, new: float) -> float:
+        return new if old is None else max(new, 0.7 * old + 0.3 * new)
+
+    def observe(self, frames: int, seconds: float) -> None:
+        if frames <= 1 or self.fixed_s is None:
+            self.fixed_s = self._update(self.fixed_s, seconds)
+        else:
+            self.per_frame_s = self._update(self.per_frame_s, max(0.0, seconds - self.fixed_s) / (frames - 1))
+
+    def frames_within(self, seconds: float) -> int:
+        """How many frames a chunk may have to fit in `seconds` (0: not even one)."""
+        if self.fixed_s is None:
+            return 1  # uncalibrated: one frame measures the fixed part
+        if seconds < self.fixed_s:
+            return 0
+        if self.per_frame_s is None:
+            return 8  # the second measurement: a few frames give the part per frame
+        return 1 + int((seconds - self.fixed_s) / max(self.per_frame_s, 1e-6))
+
+
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
                  prefill_chunk_frames: int = 64, metrics=None):
@@ -103,7 +137,7 @@ class ConversationClock:
         self._task: asyncio.Task | None = None
         # Measured costs (EMA, seconds), used to decide what still fits in a period.
         self._step_s = 0.0
-        self._prefill_frame_s = 0.0
+        self._prefill_cost = ChunkCost()
         self._begin_s = 0.0
         self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
         self._overruns = 0
@@ -328,8 +362,8 @@ class ConversationClock:
         """Run one piece of prefill work that fits in `time_left`; False if there is none.
 
         With no live session there is nothing to make late, so work runs in full chunks.
-        Otherwise a chunk is sized from the measured time per prompt frame (the first
-        one, uncalibrated, is a single frame).
+        Otherwise a chunk is sized to the time left from the measured cost of a chunk (see
+        ChunkCost: a fixed part plus a part per frame; uncalibrated, a single frame).
         """
         s = next((s for s in self.sessions.values() if not s.live and not s.closed and not s.failed), None)
         if s is None:
@@ -348,15 +382,14 @@ class ConversationClock:
             else:
                 frames = self.prefill_chunk_frames
                 if anyone_live:
-                    frames = 1 if self._prefill_frame_s == 0 else min(frames, int(time_left / self._prefill_frame_s))
+                    frames = min(frames, self._prefill_cost.frames_within(time_left))
                     if frames < 1:
                         if not force:
                             return False
                         frames = 1
+                frames = min(frames, s.job.total_frames - s.job.frames_done) or 1
                 done = await self.compute(s.job.run, frames)  # runs at most `frames`, fewer at the end
-                per = (loop.time() - t0) / max(frames, 1)
-                # Decay slowly downwards, jump upwards: a chunk that overshoots once is not repeated.
-                self._prefill_frame_s = per if self._prefill_frame_s == 0 else max(per, 0.7 * self._prefill_frame_s + 0.3 * per)
+                self._prefill_cost.observe(frames, loop.time() - t0)
         except Exception as e:
             self.fail(s, e)
             return True
