@@ -451,21 +451,6 @@ async def test_a_client_that_never_reads_is_cut_off_and_others_go_on(stack):
         gw.stop()
 
 
-async def test_zz_draining_cell_gets_no_new_session(stack):
-    """Last in this module: it drains the cell's encoder (for good)."""
-    from duplex.v1 import common_pb2, encoder_pb2_grpc
-
-    with grpc.insecure_channel(stack.cell_procs[0].encoder.address) as ch:
-        encoder_pb2_grpc.EncoderStub(ch).Drain(common_pb2.DrainRequest(deadline_s=0), timeout=10)
-    await asyncio.sleep(1.0)  # the next capacity poll sees `draining`
-    status, body, _ = http_get(stack.gateway.http_url + "/health")
-    assert json.loads(body)["cell_detail"][0]["draining"] is True
-    rt = await RT.connect(stack.gateway.ws_url)
-    ev = await rt.open()
-    assert ev["type"] == "error" and ev["error"]["code"] == "resource_exhausted", ev
-    assert stage_capacity(stack, "encoder").active_streams == 0
-
-
 async def test_talker_refusals_reach_the_client_as_typed_codes(stack):
     """Settings only the talker can judge (a well-formed but unbundled voice, a persona longer than
     the model's window) come back typed through the stage's `error-kind`, not guessed from text."""
@@ -480,3 +465,18 @@ async def test_talker_refusals_reach_the_client_as_typed_codes(stack):
     rt = await RT.connect(stack.gateway.ws_url)
     assert (await rt.open(instructions="You are fine."))["type"] == "session.created"
     await rt.close()
+
+
+async def test_zz_draining_cell_gets_no_new_session(stack):
+    """Last in this module: it drains the cell's encoder (for good)."""
+    from duplex.v1 import common_pb2, encoder_pb2_grpc
+
+    with grpc.insecure_channel(stack.cell_procs[0].encoder.address) as ch:
+        encoder_pb2_grpc.EncoderStub(ch).Drain(common_pb2.DrainRequest(deadline_s=0), timeout=10)
+    await asyncio.sleep(1.0)  # the next capacity poll sees `draining`
+    status, body, _ = http_get(stack.gateway.http_url + "/health")
+    assert json.loads(body)["cell_detail"][0]["draining"] is True
+    rt = await RT.connect(stack.gateway.ws_url)
+    ev = await rt.open()
+    assert ev["type"] == "error" and ev["error"]["code"] == "resource_exhausted", ev
+    assert stage_capacity(stack, "encoder").active_streams == 0
