@@ -414,3 +414,20 @@ def test_text_pieces(paths):
     ids = eng.tokenizer.encode("hello teacher")
     assert "".join(eng.text_piece(i) for i in ids) == " hello teacher"
     assert [eng.text_piece(i) for i in range(4)] == [""] * 4
+
+
+def test_warmup_leaves_no_trace_in_slot_0(paths):
+    """warmup() prefills a prompt in slot 0 and releases it: a session there afterwards produces
+    exactly what it produces on a fresh engine."""
+    frames = torch.randint(0, 2048, (20, 8), generator=torch.Generator().manual_seed(11))
+    outs = []
+    for warm in (False, True):
+        eng = engine(paths, slots=2)
+        if warm:
+            eng.warmup()
+            assert not eng.is_live(0)
+        job = eng.begin(0, "NATF2.pt", "You are calm.", SamplingParams(greedy=True))
+        while not job.run(64):
+            pass
+        outs.append(run_session(eng, 0, frames))
+    assert outs[0] == outs[1] and any(o is not None for o in outs[0])

@@ -228,6 +228,9 @@ class CodecServiceConfig:
     # After the first pending frame, wait up to this long for other streams' frames (never once all
     # live streams have one pending): fewer, fuller steps for a little latency.
     batch_wait_ms: float = 5.0
+    # CUDA only: replay the codec step as a captured CUDA graph (Mimi's hundreds of small kernels
+    # per step: about 15 ms eager, 5.6 ms graphed for 160 streams of the full model on an H200).
+    cuda_graph: bool = False
     drain_deadline_s: float = 30.0  # SIGTERM: how long live streams may continue
     log_level: str = "INFO"
 

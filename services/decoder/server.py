@@ -41,7 +41,7 @@ def build(cfg: DecoderConfig) -> CodecService:
     from services.common.mimi import StreamingDecoder
 
     model, mimi_cfg = load_mimi(cfg)
-    decoder = StreamingDecoder(model, cfg.slots)
+    decoder = StreamingDecoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)
     n, bins = mimi_cfg.num_codebooks, mimi_cfg.bins
     return CodecService(
         "decoder", cfg,

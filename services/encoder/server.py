@@ -39,7 +39,7 @@ def build(cfg: EncoderConfig) -> CodecService:
     from services.common.mimi import StreamingEncoder
 
     model, mimi_cfg = load_mimi(cfg)
-    encoder = StreamingEncoder(model, cfg.slots)
+    encoder = StreamingEncoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)
     frame_size = mimi_cfg.frame_size
     return CodecService(
         "encoder", cfg,

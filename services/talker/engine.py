@@ -367,8 +367,15 @@ class TalkerEngine:
         return RowParams(p.greedy, p.temperature, top_k, self._max_k(host_k, vocab))
 
     def warmup(self) -> None:
-        """Capture the step's CUDA graph now (at load), so no live tick ever pays for a capture.
-        A no-op without cuda_graph. Capture runs with every slot inactive: no state changes."""
+        """Run what a first session would, before any session: one short prompt prefill in slot 0
+        (released again) and, with cuda_graph, the step's capture (with every slot inactive: no
+        state changes). Call it on the thread that will run the engine."""
+        if self._live[0] or self._jobs[0] is not None:
+            raise RuntimeError("warmup() is for a fresh engine: slot 0 is in use")
+        job = self.begin(0, None, "", SamplingParams(greedy=True))  # 12 silence frames, no voice
+        while not job.run(self.context):
+            pass
+        self.release(0)
         if self.cuda_graph and self.graph_top_k not in self._graphs:
             S = self.num_slots
             self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool))

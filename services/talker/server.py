@@ -234,7 +234,6 @@ class TalkerService:
                 context=cfg.context or None, kv_fp8=cfg.kv_fp8, cuda_graph=cfg.cuda_graph)
         elif self.engine.num_slots != cfg.slots:
             raise ValueError(f"the given engine has {self.engine.num_slots} slots, the config says {cfg.slots}")
-        await asyncio.to_thread(self.engine.warmup)  # capture the CUDA graph now, not on a live tick
         log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), output delay %d frames",
                  paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device, cfg.torch_dtype,
                  self.engine.output_delay_frames)
@@ -243,6 +242,12 @@ class TalkerService:
         self.clock = ConversationClock(
             self.engine, runtime.pool, tick_s=cfg.tick_ms / 1000.0, max_backlog_frames=cfg.max_backlog_frames,
             prefill_chunk_frames=cfg.prefill_chunk_frames, metrics=metrics)
+        # On the compute thread, before serving: the CUDA graph capture and the first prefill's
+        # allocations (cuBLAS handle and workspace are per thread) happen now, not on a live tick,
+        # and a GPU too full for them fails the start instead of the first session.
+        t1 = time.perf_counter()
+        await self.clock.compute(self.engine.warmup)
+        log.info("engine warmed up in %.1f s", time.perf_counter() - t1)
         servicer = TalkerServicer(runtime, self.clock, paths, cfg,
                                   text_card=getattr(self.engine, "text_card", 32000),
                                   card=getattr(self.engine, "card", CARD))
