@@ -264,7 +264,7 @@ def gpu_state() -> dict | None:
 def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, list[str]]:
     common = ["--checkpoint", str(checkpoint), "--slots", str(slots), "--device", cfg.device]
     talker = ["--kv-fp8", "true", "--cuda-graph", "true"] if cfg.cuda else ["--threads", "1"]
-    codec = ["--threads", "1"]
+    codec = ["--threads", "1"] + (["--cuda-graph", "true"] if cfg.cuda else [])
     return {"encoder": common + codec + shlex.split(cfg.codec_args),
             "talker": common + talker + shlex.split(cfg.talker_args),
             "decoder": common + codec + shlex.split(cfg.codec_args)}
