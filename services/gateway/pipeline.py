@@ -135,6 +135,7 @@ class Pipeline:
         self._text: dict[int, tuple[int, str]] = {}
         self._failed: PipelineError | None = None
         self._closing = False
+        self._aborting = False  # abort() runs: pumps only drain their streams, nothing is forwarded
         self._tasks: list[asyncio.Task] = []
         self._decoder_done = asyncio.Event()
         self._last_output_at = 0.0
@@ -224,17 +225,19 @@ class Pipeline:
             await pump
         except asyncio.CancelledError:
             raise
-        except PipelineError as e:
-            self._fail(e)
         except Exception as e:
-            code, details = _grpc_error(e)
-            self._fail(PipelineError("runtime_stream_failed", f"{stage} stream failed: {code} {details}".strip(), stage))
+            err = e if isinstance(e, PipelineError) else PipelineError("runtime_stream_failed", f"{stage} stream failed: {' '.join(_grpc_error(e))}".strip(), stage)
+            if self._aborting:  # the session is already ending: nothing to report to the client
+                log.info("session %s: %s stream ended during abort: %s", self.params.stream_id, stage, err.message)
+                return
+            self._fail(err)
 
     async def _pump_encoder(self) -> None:
         enc, talk = self._calls["encoder"], self._calls["talker"]
         while (resp := await enc.read()) is not _EOF:
             codes = resp.codes
-            await talk.write(talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes)))
+            if not self._aborting:
+                await talk.write(talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes)))
         await self._expect_ok("encoder")
         await talk.done_writing()
 
@@ -242,6 +245,8 @@ class Pipeline:
         talk, dec = self._calls["talker"], self._calls["decoder"]
         while (resp := await talk.read()) is not _EOF:
             out = resp.output
+            if self._aborting:
+                continue
             self._text[out.seq] = (out.input_seq, out.text_piece)
             await dec.write(decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes)))
         await self._expect_ok("talker")
@@ -251,6 +256,8 @@ class Pipeline:
         dec = self._calls["decoder"]
         while (resp := await dec.read()) is not _EOF:
             pcm = resp.pcm
+            if self._aborting:
+                continue
             input_seq, text = self._text.pop(pcm.seq, (None, ""))
             if input_seq is None:
                 raise PipelineError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced", "decoder")
@@ -316,7 +323,21 @@ class Pipeline:
         return await asyncio.shield(self._abort_task)
 
     async def _abort(self) -> bool:
-        for t in self._tasks:
+        # Half-close every stream and let each pump read its stream to the end, forwarding
+        # nothing. Not a plain cancel of the pumps: cancelling a task that waits in
+        # call.read() cancels the RPC itself (grpc.aio), and a cancelled stream is never a
+        # confirmed end. A pump still reading after the cleanup bound is cancelled (unconfirmed).
+        self._aborting = True
+        self._tasks[-1].cancel()  # the watchdog
+        for s in STAGES:
+            call = self._calls[s]
+            if not call.done():
+                try:
+                    await asyncio.wait_for(call.done_writing(), self._cleanup_timeout_s)
+                except Exception:  # already half-closed, ended meanwhile, or stuck (then cancelled)
+                    pass
+        _, stuck = await asyncio.wait(self._tasks[:-1], timeout=self._cleanup_timeout_s)
+        for t in stuck:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         oks = await asyncio.gather(*(_shutdown_stream(self._calls[s], self._cleanup_timeout_s) for s in STAGES))
