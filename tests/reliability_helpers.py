@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as sync_connect
 
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
@@ -59,13 +60,13 @@ def capacity(address: str, stage: str):
         return _STUBS[stage](ch).GetCapacity(common_pb2.CapacityRequest(), timeout=5)
 
 
-def stage_counts(stack, cells=None) -> dict:
-    """{(cell, stage): (free_slots, active_streams)} for every stage of the given cells (default all)."""
+def stage_counts(stack, cells=None, stages=("encoder", "talker", "decoder")) -> dict:
+    """{(cell, stage): (free_slots, active_streams)} for the given stages of the given cells (default all)."""
     out = {}
     for i, cell in enumerate(stack.cell_procs):
         if cells is not None and i not in cells:
             continue
-        for stage in ("encoder", "talker", "decoder"):
+        for stage in stages:
             c = capacity(getattr(cell, stage).address, stage)
             out[(i, stage)] = (c.free_slots, c.active_streams)
     return out
@@ -229,6 +230,8 @@ class Feeder:
         self.period_s = period_s
         self.sent = 0
         self.errors: list[dict] = []
+        self.error_at: list[float] = []  # time.monotonic() of each error event
+        self.closed: int | None = None  # the close code, once the server closed the socket
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._last_checked = 0
@@ -243,19 +246,23 @@ class Feeder:
     def _run(self) -> None:
         x = tone(1, 300)
         next_at = time.monotonic()
-        while not self._stop.is_set():
-            if time.monotonic() >= next_at:
-                self.rt.send(append(x))
-                self.sent += 1
-                next_at += self.period_s
-            try:
-                ev = json.loads(self.rt.ws.recv(max(0.001, next_at - time.monotonic())))
-            except TimeoutError:
-                continue
-            with self._lock:
-                self.rt.events.append(ev)
-            if ev["type"] == "error":
-                self.errors.append(ev)
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() >= next_at and not self.errors:  # a failed session gets no more input
+                    self.rt.send(append(x))
+                    self.sent += 1
+                    next_at += self.period_s
+                try:
+                    ev = json.loads(self.rt.ws.recv(max(0.001, next_at - time.monotonic())))
+                except TimeoutError:
+                    continue
+                with self._lock:
+                    self.rt.events.append(ev)
+                if ev["type"] == "error":
+                    self.error_at.append(time.monotonic())
+                    self.errors.append(ev)
+        except ConnectionClosed as e:
+            self.closed = e.rcvd.code if e.rcvd is not None else -1
 
     def check_alive(self, min_new: int = 1, timeout: float = 30.0) -> int:
         """Assert at least `min_new` output frames arrived since the last check (waiting up to timeout)."""
@@ -265,6 +272,11 @@ class Feeder:
         assert self.frames >= target, f"the untouched session stalled: {self.frames} frames, expected >= {target}"
         self._last_checked = self.frames
         return self.frames
+
+    def wait_failed(self, timeout: float = 30.0) -> tuple[dict, float]:
+        """For a session whose stage was hurt: its first error event and when it arrived."""
+        assert wait_until(lambda: self.errors, timeout), f"no error event within {timeout}s"
+        return self.errors[0], self.error_at[0]
 
     def stop(self) -> dict:
         self._stop.set()
