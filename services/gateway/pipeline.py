@@ -136,6 +136,7 @@ class Pipeline:
         self._failed: PipelineError | None = None
         self._closing = False
         self._aborting = False  # abort() runs: pumps only drain their streams, nothing is forwarded
+        self._writing: asyncio.Future | None = None  # the encoder write in flight, if any
         self._tasks: list[asyncio.Task] = []
         self._decoder_done = asyncio.Event()
         self._last_output_at = 0.0
@@ -206,10 +207,16 @@ class Pipeline:
         assert frame.shape == (FRAME_SAMPLES,)
         seq = self.frames_in
         self._sent_at[seq] = time.monotonic()
+        # Shielded: a caller cancelled mid-write (the session's reader, when its socket drops)
+        # must not cancel the encoder RPC with it (grpc.aio does); abort() waits for the write.
+        self._writing = asyncio.ensure_future(self._calls["encoder"].write(
+            encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame)))
+        ))
+        self._writing.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved here or by the caller
         try:
-            await self._calls["encoder"].write(
-                encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame)))
-            )
+            await asyncio.shield(self._writing)
+        except asyncio.CancelledError:
+            raise
         except Exception as e:
             code, details = _grpc_error(e)
             err = self._failed or PipelineError("runtime_append_failed", f"encoder refused frame {seq}: {code} {details}".strip(), "encoder")
@@ -329,6 +336,8 @@ class Pipeline:
         # confirmed end. A pump still reading after the cleanup bound is cancelled (unconfirmed).
         self._aborting = True
         self._tasks[-1].cancel()  # the watchdog
+        if self._writing is not None:  # one write at a time on a stream: let the last one finish
+            await asyncio.wait([self._writing], timeout=self._cleanup_timeout_s)
         for s in STAGES:
             call = self._calls[s]
             if not call.done():
