@@ -22,13 +22,16 @@ from tools.procs import ServiceProcess
 from tools.run_stack import Stack
 
 STALL_S = 1.0
+# A generous talker backlog: on a loaded 2-core machine the tiny talker can fall seconds behind,
+# and these tests are about input handling and faults, not about the backlog bound (churn tests that).
+TALKER_ARGS = ["--max-backlog-s", "30"]
 GATEWAY_ARGS = ["--stall-timeout", str(STALL_S), "--open-timeout", "120", "--cleanup-timeout", "3", "--poll-interval", "0.3"]
 FAULTS: list[str] = []
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint):
-    with Stack(tiny_checkpoint, sessions=2, cells=2, gateway_args=GATEWAY_ARGS) as s:
+    with Stack(tiny_checkpoint, sessions=2, cells=2, talker_args=TALKER_ARGS, gateway_args=GATEWAY_ARGS) as s:
         yield s
     print(f"\n[faults] injected {len(FAULTS)}: {', '.join(FAULTS)}")
 

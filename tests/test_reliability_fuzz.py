@@ -31,6 +31,9 @@ from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, f32_b6
                                        wait_until)
 from tools.run_stack import Stack
 
+# A generous talker backlog: on a loaded 2-core machine the tiny talker can fall seconds behind,
+# and these tests are about input handling and faults, not about the backlog bound (churn tests that).
+TALKER_ARGS = ["--max-backlog-s", "30"]
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024  # the gateway's default max_message_bytes
 MAX_INSTRUCTIONS = 4000  # the gateway's default max_instructions_chars
@@ -74,7 +77,7 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(checkpoint):
-    with Stack(checkpoint, sessions=3, gateway_args=GATEWAY_ARGS) as s:
+    with Stack(checkpoint, sessions=3, talker_args=TALKER_ARGS, gateway_args=GATEWAY_ARGS) as s:
         yield s
 
 
