@@ -187,6 +187,8 @@ def test_voice_kv_is_computed_once_and_shared(paths):
     assert torch.equal(eng.kv.v[:, 0, :, :voice_frames], eng.kv.v[:, 2, :, :voice_frames])
     assert torch.allclose(eng.kv.k[:, 0], eng.kv.k[:, 2], atol=1e-5) and torch.equal(eng.hist[0], eng.hist[2])
     assert list(eng._voice_kv) == ["NATM1.pt"]
+    # the cached prefix holds the voice's positions only, not a session's whole ring
+    assert eng._voice_kv["NATM1.pt"].kv.context == voice_frames < eng.context
 
 
 # ---------------------------------------------------------------------------- slot independence

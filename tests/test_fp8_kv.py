@@ -9,6 +9,7 @@ precision, not the chaos of a random model.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.talker.decode_attention import decode_attention_reference, dequantize_fp8, quantize_fp8
@@ -48,6 +49,30 @@ def test_fp8_ring_reset_copy_and_isolation():
     kv.reset(1)
     assert int(kv.length[1]) == 0 and float(kv.k_scale[:, 1].float().abs().sum()) == 0
     assert float(kv.k_scale[:, 0].float().abs().sum()) > 0  # other slots untouched
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_short_unwrapped_ring_copies_into_a_longer_one(fp8):
+    model = LMModel(TINY, dep_steps=8).init_random_(1)
+    tokens = torch.randint(0, 100, (1, 5, 17), generator=torch.Generator().manual_seed(0))
+    short = model.new_kv_cache(1, context=5, fp8=fp8)
+    model.temporal(model.embed(tokens), short, short.all_slots)
+    full = model.new_kv_cache(2, fp8=fp8)
+    model.temporal(model.embed(tokens), full, full.all_slots[:1])  # the same positions, computed in place
+    full.copy_slot(short, 0, 1)
+    assert int(full.length[1]) == 5
+    for ours, theirs in zip(full._stores(), short._stores()):
+        assert torch.equal(ours[:, 1, :, :5], theirs[:, 0]) and not ours[:, 1, :, 5:].float().any()
+    # and it is what the slot would hold had it run the positions itself (up to summation order)
+    k_copied, k_computed = full.read(full.k.shape[0] - 1, torch.tensor([1, 0]), torch.float32)[0]  # last layer
+    assert torch.allclose(k_copied, k_computed, atol=0.05 if fp8 else 1e-5)
+    with pytest.raises(ValueError, match="cannot copy"):
+        short.copy_slot(full, 0, 0)  # longer into shorter
+    with pytest.raises(ValueError, match="cannot copy"):
+        model.new_kv_cache(1, fp8=not fp8).copy_slot(short, 0, 0)  # another storage format
+    model.temporal(model.embed(tokens[:, :1]), short, short.all_slots)  # 6 positions in a ring of 5: wrapped
+    with pytest.raises(ValueError, match="wrapped"):
+        full.copy_slot(short, 0, 1)
 
 
 def greedy_frame(model: LMModel, h: torch.Tensor) -> torch.Tensor:

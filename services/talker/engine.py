@@ -67,12 +67,18 @@ class StepResult:
 
 class _VoicePrefix:
     """The KV of one voice's embeddings (prompt columns 0..N-2), computed once, copied into slots.
-    Built in chunks like any prefill, so a first session with a new voice never blocks a tick."""
+    Built in chunks like any prefill, so a first session with a new voice never blocks a tick.
+
+    Its ring holds exactly the voice's positions, not a whole context: a full-context ring per
+    voice would cost as much as a session (0.8 GB at full size), and at 160 sessions on one GPU
+    there is no session's worth of memory to spare. With no wrap, positions 0..n-1 sit at ring
+    indices 0..n-1 in both rings, so the copy is a prefix copy (KVCache.copy_slot)."""
 
     def __init__(self, engine: "TalkerEngine", voice: VoicePrompt):
         self.voice = voice
-        self.kv = engine.model.new_kv_cache(1, context=engine.context, **engine._kv_format)  # same format: copyable
         self.total = voice.frames - 1
+        # Same storage format as the engine's ring (copyable); at least one position.
+        self.kv = engine.model.new_kv_cache(1, context=max(1, min(self.total, engine.context)), **engine._kv_format)
         self.done = 0
         self._model = engine.model
         self._slot = torch.zeros(1, dtype=torch.long, device=engine.device)

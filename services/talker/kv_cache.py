@@ -64,9 +64,21 @@ class KVCache:
         return [self.k, self.v]
 
     def copy_slot(self, src: "KVCache", src_slot: int, dst_slot: int) -> None:
-        """Copy slot `src_slot` of `src` (same format and shape) into our `dst_slot`."""
+        """Copy slot `src_slot` of `src` (same format) into our `dst_slot`, which must be reset.
+
+        `src` may have a shorter ring than ours if its slot never wrapped (a voice prefix sized to
+        the voice): its positions 0..n-1 then sit at ring indices 0..n-1 in both, and the rest of
+        our (reset, zeroed) ring stays empty."""
+        n = src.context
+        layout = lambda c: (type(c), c.k.dtype, c.k.shape[0], c.k.shape[2], c.k.shape[4])  # noqa: E731 (layers, heads, head_dim)
+        if layout(src) != layout(self) or n > self.context:
+            raise ValueError(f"cannot copy a {type(src).__name__} {tuple(src.k.shape)} {src.k.dtype} slot into a "
+                             f"{type(self).__name__} {tuple(self.k.shape)} {self.k.dtype}")
+        if n < self.context and int(src.length[src_slot]) > n:
+            raise ValueError(f"the source slot wrapped its ring of {n} ({int(src.length[src_slot])} positions written); "
+                             f"only an unwrapped slot copies into a longer ring")
         for ours, theirs in zip(self._stores(), src._stores(), strict=True):
-            ours[:, dst_slot].copy_(theirs[:, src_slot])
+            ours[:, dst_slot, :, :n].copy_(theirs[:, src_slot])
         self.length[dst_slot] = src.length[src_slot]
 
     def save_entries(self, idx: torch.Tensor) -> list[torch.Tensor]:
