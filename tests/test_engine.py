@@ -426,10 +426,18 @@ def test_warmup_leaves_no_trace_in_slot_0(paths):
     for warm in (False, True):
         eng = engine(paths, slots=2)
         if warm:
-            eng.warmup()
-            assert not eng.is_live(0)
+            eng.warmup(("NATF2.pt",))
+            assert not eng.is_live(0) and eng._voice_kv["NATF2.pt"].complete
         job = eng.begin(0, "NATF2.pt", "You are calm.", SamplingParams(greedy=True))
+        voice_frames = job.prompt_frames - 1 - job._cols.inputs.shape[0]
+        if warm:  # preloaded: the voice is copied, only the rest of the prompt runs
+            assert job.run(job.total_frames - voice_frames)
         while not job.run(64):
             pass
         outs.append(run_session(eng, 0, frames))
     assert outs[0] == outs[1] and any(o is not None for o in outs[0])
+
+
+def test_warmup_refuses_a_voice_the_checkpoint_lacks(paths):
+    with pytest.raises(InvalidVoice, match="NOPE"):
+        engine(paths, slots=1).warmup(("NOPE.pt",))

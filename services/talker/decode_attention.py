@@ -103,7 +103,13 @@ if triton is not None:
         tl.store(OUT + b * s_ob + h * s_oh + d, out.to(OUT.dtype.element_ty))
 
 
-def decode_attention(q, ring_k, ring_v, k_scale, v_scale, slots, n_valid, sm_scale, block_n: int = 128):
+# Launch parameters of the kernel, chosen by the sweep in bench/attention_check.py on an H200
+# (160 slots x 3000 positions, fp8): see bench/results/attention_check.json.
+BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 3
+
+
+def decode_attention(q, ring_k, ring_v, k_scale, v_scale, slots, n_valid, sm_scale, block_n: int = BLOCK_N,
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
     """One query per row against its slot's ring, in place. Triton on CUDA, torch elsewhere.
 
     q [B, H, D]; ring_k/ring_v [S, H, C, D] (contiguous in the last two dims); k_scale/v_scale
@@ -123,6 +129,6 @@ def decode_attention(q, ring_k, ring_v, k_scale, v_scale, slots, n_valid, sm_sca
         q, ring_k, ring_v, ks, vs, slots, n_valid, out, sm_scale,
         q.stride(0), q.stride(1), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), s_ss, s_sh,
         out.stride(0), out.stride(1),
-        HAS_SCALE=has_scale, D=D, BLOCK_N=block_n, num_warps=4,
+        HAS_SCALE=has_scale, D=D, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     return out

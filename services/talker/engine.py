@@ -372,19 +372,29 @@ class TalkerEngine:
             return RowParams(p.greedy, p.temperature, top_k, self.graph_top_k[0 if vocab == self.text_card else 1])
         return RowParams(p.greedy, p.temperature, top_k, self._max_k(host_k, vocab))
 
-    def warmup(self) -> None:
+    def warmup(self, voices: tuple[str, ...] = ()) -> None:
         """Run what a first session would, before any session: one short prompt prefill in slot 0
-        (released again) and, with cuda_graph, the step's capture (with every slot inactive: no
-        state changes). Call it on the thread that will run the engine."""
+        (released again), the KV prefix of each voice in `voices` (so no session waits for it) and,
+        with cuda_graph, the step's capture (with every slot inactive: no state changes). On CUDA
+        the allocator's cache is then handed back: what the warm-up used transiently is free for
+        the other processes on the GPU. Call it on the thread that will run the engine."""
         if self._live[0] or self._jobs[0] is not None:
             raise RuntimeError("warmup() is for a fresh engine: slot 0 is in use")
         job = self.begin(0, None, "", SamplingParams(greedy=True))  # 12 silence frames, no voice
         while not job.run(self.context):
             pass
         self.release(0)
+        for name in voices:
+            prefix = self._voice_prefix(name)  # InvalidVoice for a name the checkpoint lacks
+            with torch.no_grad():
+                while not prefix.complete:
+                    prefix.advance(self.context)
         if self.cuda_graph and self.graph_top_k not in self._graphs:
             S = self.num_slots
             self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     # ---- slot state ----------------------------------------------------------------------------
 

@@ -246,8 +246,13 @@ class TalkerService:
         # allocations (cuBLAS handle and workspace are per thread) happen now, not on a live tick,
         # and a GPU too full for them fails the start instead of the first session.
         t1 = time.perf_counter()
-        await self.clock.compute(self.engine.warmup)
-        log.info("engine warmed up in %.1f s", time.perf_counter() - t1)
+        voices = cfg.voices_to_preload
+        try:
+            await self.clock.compute(lambda: self.engine.warmup(voices))
+        except InvalidVoice as e:
+            raise ValueError(f"talker config: preload_voices: {e}") from None
+        log.info("engine warmed up in %.1f s%s", time.perf_counter() - t1,
+                 f" (voices preloaded: {', '.join(voices)})" if voices else "")
         servicer = TalkerServicer(runtime, self.clock, paths, cfg,
                                   text_card=getattr(self.engine, "text_card", 32000),
                                   card=getattr(self.engine, "card", CARD))
