@@ -9,6 +9,13 @@ keeps serving reads, writes and health checks, unpins, and hands each stream its
 row. Resets run on the same single worker thread, so a reset can never overlap
 a step that touches the codec state.
 
+Before serving, `CodecService.start()` runs `CodecBatcher.warmup()`: one step with every slot
+inactive on the same worker thread, which changes no codec state (inactive slots keep their
+state bit for bit) but captures the CUDA graph (cuda_graph) and does the lazy CUDA set-up
+(cuBLAS handles, cached centroids) up front instead of in the first session's first frame;
+then, on CUDA, synchronize and empty_cache hand back the cached blocks of the capture's eager
+warm-up steps.
+
 CodecStream.serve: one bidirectional stream, the same for both services:
 open -> slot (reset) -> `opened`; then per frame: seq check, payload check,
 batched step, one response with the same seq; end/cancel/error -> slot released
@@ -83,6 +90,25 @@ class CodecBatcher:
         self._pending[slot] = (x, fut)
         self._wake.set()
         return await fut
+
+    async def warmup(self, device: str | torch.device = "cpu") -> float:
+        """One step with every slot inactive, on the worker thread (before `start`); returns its seconds.
+
+        No slot's state changes. On CUDA it captures the step's graph when the codec uses one, then
+        synchronizes and empties the allocator cache so that only what serving holds stays reserved."""
+        dev = torch.device(device)
+
+        def run() -> None:
+            x = torch.zeros((self.pool.total, *self.in_shape), dtype=self.in_dtype)
+            active = torch.zeros(self.pool.total, dtype=torch.bool)
+            self._step(x, active)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()
+
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self._worker, run)
+        return time.perf_counter() - t0
 
     def discard(self, slot: int) -> None:
         """Drop a pending (not yet stepped) frame of a stream that ended."""
@@ -235,8 +261,11 @@ class CodecServiceConfig:
     log_level: str = "INFO"
 
 
-def load_mimi(cfg: CodecServiceConfig):
-    """The checkpoint's Mimi model (eval mode, on cfg.device) and its MimiConfig."""
+def load_mimi(cfg: CodecServiceConfig, keep: str | None = None):
+    """The checkpoint's Mimi model (eval mode, on cfg.device) and its MimiConfig.
+
+    keep="encode" | "decode": the whole file is still checked strictly, then only that half is
+    kept (MimiModel.keep_only) before the model moves to the device."""
     from services.common.checkpoint import CheckpointPaths
     from services.common.mimi import MimiConfig, MimiModel
 
@@ -248,7 +277,7 @@ def load_mimi(cfg: CodecServiceConfig):
     paths = CheckpointPaths.open(root, require=("mimi",))
     section = paths.serve_config().get("mimi")
     mimi_cfg = MimiConfig.from_dict(section) if section else MimiConfig.full()
-    model = MimiModel.load(paths.mimi, mimi_cfg, device=cfg.device, dtype=torch.float32)
+    model = MimiModel.load(paths.mimi, mimi_cfg, device=cfg.device, dtype=torch.float32, keep=keep)
     return model, mimi_cfg
 
 
@@ -278,9 +307,13 @@ class CodecService:
         servicer_cls: type[CodecServicer],
         add_servicer: Callable[[Any, grpc.aio.Server], None],
         service_name: str,
+        codec: Any = None,
     ):
         self.cfg = cfg
+        self.codec = codec  # the streamer behind `step` (for tests and debugging), if given
         self.runtime = StageRuntime(stage, cfg.slots)
+        self.runtime.metrics.track_gpu(cfg.device)  # the duplex_stage_gpu_memory_* gauges (CUDA only)
+        self.warmup_s: float | None = None
         self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype, batch_wait_s=cfg.batch_wait_ms / 1000)
         self.stream = CodecStream(self.runtime, self.batcher, frame_field="frame", parse_frame=parse_frame,
                                   opened=opened, answer=answer)
@@ -300,6 +333,10 @@ class CodecService:
         return self.server.metrics_port
 
     async def start(self) -> "CodecService":
+        if self.warmup_s is None:  # before the port opens: no session waits for a graph capture
+            self.warmup_s = await self.batcher.warmup(self.cfg.device)
+            self.runtime.log.info("warmed up in %.1f ms (device=%s, cuda_graph=%s%s)", 1000 * self.warmup_s,
+                                  self.cfg.device, self.cfg.cuda_graph, _cuda_memory(self.cfg.device))
         self.batcher.start()
         await self.server.start()
         return self
@@ -314,6 +351,15 @@ class CodecService:
             await self.server.serve_until_signal()
         finally:
             await self.batcher.stop()
+
+
+def _cuda_memory(device: str) -> str:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return ""
+    return (f", allocated {torch.cuda.memory_allocated(dev) / 2**30:.2f} GiB,"
+            f" reserved {torch.cuda.memory_reserved(dev) / 2**30:.2f} GiB,"
+            f" device free {torch.cuda.mem_get_info(dev)[0] / 2**30:.2f} GiB")
 
 
 def inference_step(step: StepFn, device: str) -> StepFn:

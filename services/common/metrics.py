@@ -13,6 +13,14 @@ covers all three:
     duplex_stage_streams_closed_total{stage,reason}  counter: ok | cancelled | error | drained
     duplex_stage_errors_total{stage,kind}       counter: kind = StageError.kind
 
+and, once a CUDA stage calls `track_gpu(device)` (absent on CPU), read at scrape time:
+
+    duplex_stage_gpu_memory_allocated_bytes{stage}  gauge: torch.cuda.memory_allocated(device) (live tensors)
+    duplex_stage_gpu_memory_reserved_bytes{stage}   gauge: torch.cuda.memory_reserved(device) (held by torch's caching allocator)
+    duplex_stage_gpu_memory_free_bytes{stage}       gauge: torch.cuda.mem_get_info(device)[0] (free on the whole device, as this process sees it)
+
+A scrape never initializes CUDA (NaN until the process has) and never raises (NaN on any error).
+
 Each StageMetrics owns its own CollectorRegistry (several services can live in
 one test process without name clashes); `serve_http` exposes it at /metrics.
 A service adds its own metrics with `registry=metrics.registry`.
@@ -20,6 +28,7 @@ A service adds its own metrics with `registry=metrics.registry`.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -55,6 +64,32 @@ class StageMetrics:
         self._active.labels(self.stage).set_function(active)
         self._free.labels(self.stage).set_function(free)
 
+    def track_gpu(self, device) -> bool:
+        """Export the three duplex_stage_gpu_memory_*_bytes gauges for `device` if it is a CUDA device.
+
+        On any other device nothing is registered (the gauges are absent) and this returns False.
+        Values are read at scrape time, from the /metrics thread; calling it again is harmless."""
+        import torch
+
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return False
+        if not hasattr(self, "_gpu_gauges"):
+            r, lab = self.registry, ["stage"]
+            self._gpu_gauges = (
+                Gauge("duplex_stage_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated: bytes in live tensors", lab, registry=r),
+                Gauge("duplex_stage_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved: bytes held by the caching allocator", lab, registry=r),
+                Gauge("duplex_stage_gpu_memory_free_bytes", "torch.cuda.mem_get_info()[0]: free bytes on the device", lab, registry=r),
+            )
+        readers = (
+            lambda: torch.cuda.memory_allocated(dev),
+            lambda: torch.cuda.memory_reserved(dev),
+            lambda: torch.cuda.mem_get_info(dev)[0],
+        )
+        for gauge, read in zip(self._gpu_gauges, readers):
+            gauge.labels(self.stage).set_function(_cuda_reading(read))
+        return True
+
     def observe_step(self, seconds: float, batch: int) -> None:
         self.step_seconds.observe(seconds)
         self.batch_size.observe(batch)
@@ -69,3 +104,20 @@ class StageMetrics:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the server (`.server_port`, `.shutdown()`)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server
+
+
+def _cuda_reading(read: Callable[[], float]) -> Callable[[], float]:
+    """`read` guarded for a scrape: NaN (and no CUDA call) before the process has initialized CUDA,
+    NaN on any error."""
+
+    def value() -> float:
+        try:
+            import torch
+
+            if not torch.cuda.is_initialized():
+                return math.nan
+            return float(read())
+        except Exception:
+            return math.nan
+
+    return value

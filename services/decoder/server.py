@@ -40,7 +40,7 @@ class DecoderServicer(CodecServicer, decoder_pb2_grpc.DecoderServicer):
 def build(cfg: DecoderConfig) -> CodecService:
     from services.common.mimi import StreamingDecoder
 
-    model, mimi_cfg = load_mimi(cfg)
+    model, mimi_cfg = load_mimi(cfg, keep="decode")  # the encode half is never loaded onto the device
     decoder = StreamingDecoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)
     n, bins = mimi_cfg.num_codebooks, mimi_cfg.bins
     return CodecService(
@@ -55,4 +55,5 @@ def build(cfg: DecoderConfig) -> CodecService:
         servicer_cls=DecoderServicer,
         add_servicer=decoder_pb2_grpc.add_DecoderServicer_to_server,
         service_name=SERVICE_NAME,
+        codec=decoder,
     )

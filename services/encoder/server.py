@@ -38,7 +38,7 @@ class EncoderServicer(CodecServicer, encoder_pb2_grpc.EncoderServicer):
 def build(cfg: EncoderConfig) -> CodecService:
     from services.common.mimi import StreamingEncoder
 
-    model, mimi_cfg = load_mimi(cfg)
+    model, mimi_cfg = load_mimi(cfg, keep="encode")  # the decode half is never loaded onto the device
     encoder = StreamingEncoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)
     frame_size = mimi_cfg.frame_size
     return CodecService(
@@ -53,4 +53,5 @@ def build(cfg: EncoderConfig) -> CodecService:
         servicer_cls=EncoderServicer,
         add_servicer=encoder_pb2_grpc.add_EncoderServicer_to_server,
         service_name=SERVICE_NAME,
+        codec=encoder,
     )

@@ -1,6 +1,13 @@
 """MimiModel: the codec's modules, one-shot encode/decode, strict loading, random init.
 
 Streaming (per-slot state, batched) is in streaming.py; both paths share these modules.
+
+A codec service runs only one half of Mimi. `keep_only("encode")` (or `load(..., keep="encode")`,
+which checks the whole file strictly first) deletes the other half's modules: the decode half
+(quantizer output projections, upsample, decoder transformer, SEANet decoder) for an encoder, the
+encode half (SEANet encoder, encoder transformer, downsample, quantizer input projections) for a
+decoder, and in both cases the codebooks past `num_codebooks`, which neither half reads. Using a
+dropped part raises DroppedHalfError.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from torch import Tensor, nn
 from ..checkpoint import CheckpointError, load_state_dict_strict
 from .config import MimiConfig
 from .conv import StreamingConv1d, StreamingConvTranspose1d
+from .halves import DroppedHalfError, Prunable
 from .quantizer import SplitResidualVectorQuantizer
 from .seanet import SEANetDecoder, SEANetEncoder
 from .transformer import Attention, LayerScale, MimiTransformer
@@ -54,6 +62,13 @@ class ConvTrUpsample(nn.Module):
         self.convtr = StreamingConvTranspose1d(dim, dim, 2 * stride, stride=stride, groups=dim, bias=False)
 
 
+# The modules only one half reads (the quantizer is split inside, see keep_only).
+HALVES = {
+    "encode": ("encoder", "encoder_transformer", "downsample"),
+    "decode": ("upsample", "decoder_transformer", "decoder"),
+}
+
+
 class InvalidFrame(ValueError):
     """An input frame is malformed (shape, dtype, non-finite audio, codes out of range).
 
@@ -65,10 +80,11 @@ class InvalidFrame(ValueError):
         self.slots = slots or []
 
 
-class MimiModel(nn.Module):
+class MimiModel(Prunable, nn.Module):
     def __init__(self, cfg: MimiConfig):
         super().__init__()
         self.cfg = cfg
+        self.kept = "both"  # "encode" | "decode" once keep_only has dropped the other half
         self.encoder = SEANetEncoder(cfg)
         self.decoder = SEANetDecoder(cfg)
         self.encoder_transformer = MimiTransformer(cfg)
@@ -79,19 +95,71 @@ class MimiModel(nn.Module):
         self.downsample = ConvDownsample(cfg.dimension, cfg.downsample_stride)
         self.upsample = ConvTrUpsample(cfg.dimension, cfg.downsample_stride)
 
+    def _probe(self) -> Tensor:
+        seanet = self.decoder if self.kept == "decode" else self.encoder
+        return seanet.model[0].conv.conv.weight
+
     @property
     def device(self) -> torch.device:
-        return self.encoder.model[0].conv.conv.weight.device
+        return self._probe().device
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype of convolutions and transformers (the quantizer always runs in fp32)."""
-        return self.encoder.model[0].conv.conv.weight.dtype
+        return self._probe().dtype
+
+    # ---- halves ---------------------------------------------------------------------------
+    def require(self, half: str, user: str = "") -> None:
+        """Raise DroppedHalfError unless this model still has `half` ("encode" | "decode")."""
+        if half not in HALVES:
+            raise ValueError(f"half must be 'encode' or 'decode', got {half!r}")
+        if self.kept not in ("both", half):
+            raise DroppedHalfError(
+                f"{user or half} needs Mimi's {half} half, which keep_only({self.kept!r}) dropped; "
+                f"load the model without keep={self.kept!r} to {half}"
+            )
+
+    @torch.no_grad()
+    def keep_only(self, half: str) -> "MimiModel":
+        """Delete the modules only the other half uses (and the codebooks past num_codebooks).
+
+        `half` is "encode" (pcm -> codes: SEANet encoder, encoder transformer, downsample, quantizer
+        input projections and the used codebooks) or "decode" (codes -> pcm: the used codebooks,
+        quantizer output projections, upsample, decoder transformer, SEANet decoder). Call it after
+        loading the weights; on CUDA the freed memory is handed back to the driver
+        (torch.cuda.empty_cache). Idempotent for the same half; afterwards the other half raises
+        DroppedHalfError. The model's state_dict then no longer matches a published file."""
+        if half not in HALVES:
+            raise ValueError(f"keep_only takes 'encode' or 'decode', got {half!r}")
+        if self.kept == half:
+            return self
+        self.require(half, f"keep_only({half!r})")
+        other = "decode" if half == "encode" else "encode"
+        device = self.device
+        before = _tensor_bytes(self)
+        why = f"Mimi's {other} half was dropped by keep_only({half!r})"
+        for name in HALVES[other]:
+            self._drop(name, why)
+        used = {"rvq_first": self.cfg.n_q_semantic, "rvq_rest": self.cfg.num_codebooks - self.cfg.n_q_semantic}
+        for rvq_name, n in used.items():
+            rvq = getattr(self.quantizer, rvq_name)
+            rvq._drop("output_proj" if half == "encode" else "input_proj", why)
+            del rvq.vq.layers[n:]  # codebooks neither half reads with num_codebooks fixed
+        self.kept = half
+        after = _tensor_bytes(self)
+        if device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+        log.info("kept Mimi's %s half: weights %.1f MB -> %.1f MB (%s)", half, before / 2**20, after / 2**20, device)
+        return self
 
     # ---- one-shot -------------------------------------------------------------------------
     @torch.no_grad()
     def encode(self, pcm: Tensor) -> Tensor:
         """pcm [B, 1, T] (T a positive multiple of 1920) -> codes LongTensor [B, num_codebooks, T // 1920]."""
+        self.require("encode", "MimiModel.encode")
         if not isinstance(pcm, Tensor) or pcm.dim() != 3 or pcm.shape[1] != 1 or not pcm.is_floating_point():
             raise InvalidFrame(f"encode expects float audio [B, 1, T], got {_describe(pcm)}")
         if pcm.shape[-1] == 0 or pcm.shape[-1] % self.cfg.frame_size:
@@ -105,6 +173,7 @@ class MimiModel(nn.Module):
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, num_codebooks, F] -> float32 audio [B, 1, F * 1920]."""
+        self.require("decode", "MimiModel.decode")
         K = self.cfg.num_codebooks
         if not isinstance(codes, Tensor) or codes.dim() != 3 or codes.shape[1] != K or codes.is_floating_point():
             raise InvalidFrame(f"decode expects integer codes [B, {K}, F], got {_describe(codes)}")
@@ -118,8 +187,13 @@ class MimiModel(nn.Module):
     # ---- weights --------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, cfg: MimiConfig, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> "MimiModel":
-        """Load a published-layout Mimi safetensors file; any name/shape mismatch is a CheckpointError."""
+             dtype: torch.dtype = torch.float32, keep: str | None = None) -> "MimiModel":
+        """Load a published-layout Mimi safetensors file; any name/shape mismatch is a CheckpointError.
+
+        keep="encode" | "decode": after the strict check of the whole file, `keep_only(keep)` on the
+        host, so the dropped half never reaches `device`."""
+        if keep is not None and keep not in HALVES:
+            raise ValueError(f"keep must be None, 'encode' or 'decode', got {keep!r}")
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -132,10 +206,13 @@ class MimiModel(nn.Module):
             raise CheckpointError(f"Mimi weights {path} are not a readable safetensors file: {e}") from e
         model = cls(cfg)
         load_state_dict_strict(model, published_names(state), f"Mimi ({path.name})")
+        del state
+        if keep is not None:
+            model.keep_only(keep)
         model.to(device=device, dtype=dtype)
         model.quantizer.float()  # codebooks stay fp32: nearest-centroid search is precision-sensitive
         model.eval()
-        log.info("loaded Mimi from %s (%s, %s)", path, device, dtype)
+        log.info("loaded Mimi from %s (%s, %s, %s)", path, device, dtype, "both halves" if keep is None else f"{keep} half only")
         return model
 
     @classmethod
@@ -205,6 +282,10 @@ class MimiModel(nn.Module):
         last.weight.mul_(scale.to(last.weight))
         last.bias.mul_(scale.to(last.bias))
         return self
+
+
+def _tensor_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _describe(x) -> str:

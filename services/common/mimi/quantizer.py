@@ -11,6 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .halves import Prunable
+
 _EPSILON = 1e-5
 
 
@@ -50,7 +52,9 @@ class _Layers(nn.Module):
         self.layers = nn.ModuleList(VectorQuantization(dim, bins) for _ in range(n))
 
 
-class ResidualVectorQuantizer(nn.Module):
+class ResidualVectorQuantizer(Prunable, nn.Module):
+    """input_proj is the encode path's, output_proj the decode path's (MimiModel.keep_only drops one)."""
+
     def __init__(self, input_dim: int, dim: int, bins: int, n_q: int):
         super().__init__()
         self.input_proj = nn.Conv1d(input_dim, dim, 1, bias=False)

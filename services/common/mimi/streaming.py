@@ -5,7 +5,11 @@ at construction (fixed shapes, slot first, reset value zero), so a step is a fix
 of kernels: on CUDA, `cuda_graph=True` captures it once and replays it (one launch instead of
 a few hundred; the captured step reads the weights and codebook centroids as they were at
 capture, so load weights before the first step). A step runs every slot; `active` selects the slots whose state advances, the
-others keep their state bit for bit.
+others keep their state bit for bit. So a step with every slot inactive changes no state: the codec
+services run one before serving (CodecBatcher.warmup) to capture the graph up front.
+
+A streamer needs its half of the model: StreamingEncoder the encode half, StreamingDecoder the
+decode half (MimiModel.keep_only may have dropped the other).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ def _flatten(state) -> list[Tensor]:
 
 
 class _Streamer:
+    HALF = ""  # the half of MimiModel a subclass runs
+
     def __init__(self, model: MimiModel, slots: int, cuda_graph: bool = False):
+        model.require(self.HALF, type(self).__name__)
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if cuda_graph and model.device.type != "cuda":
@@ -93,6 +100,8 @@ class _Streamer:
 class StreamingEncoder(_Streamer):
     """pcm [slots, 1920] -> codes [slots, num_codebooks] per step."""
 
+    HALF = "encode"
+
     def _init_state(self, device, dtype) -> list:
         m, n = self.model, self.slots
         return [
@@ -129,6 +138,8 @@ class StreamingEncoder(_Streamer):
 
 class StreamingDecoder(_Streamer):
     """codes [slots, num_codebooks] -> float32 pcm [slots, 1920] per step."""
+
+    HALF = "decode"
 
     def _init_state(self, device, dtype) -> list:
         m, n = self.model, self.slots
