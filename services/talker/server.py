@@ -239,6 +239,7 @@ class TalkerService:
                  self.engine.output_delay_frames)
         runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms))
         metrics = TalkerMetrics(runtime.metrics)
+        runtime.metrics.track_gpu(cfg.device)
         self.clock = ConversationClock(
             self.engine, runtime.pool, tick_s=cfg.tick_ms / 1000.0, max_backlog_frames=cfg.max_backlog_frames,
             prefill_chunk_frames=cfg.prefill_chunk_frames, metrics=metrics)
