@@ -1,7 +1,8 @@
 """The co-located pipeline on one GPU: encoder, talker and decoder processes under CUDA MPS, N live sessions.
 
     python -m bench.pipeline --mps --sessions 160 --duration-s 120 [--fallback-sessions 128] [--out DIR]
-    python -m bench.pipeline --smoke [--out DIR]       # tiny checkpoint on the CPU, 2 sessions, 4 s
+        [--probe-sessions K] [--probe-cycle-s 4]   # K of the N reopen over and over: first audio at load
+    python -m bench.pipeline --smoke [--out DIR]       # tiny checkpoint on the CPU, 2 sessions (1 a probe), 4 s
 
 Phases (each timed and printed):
 1. checkpoint: `--checkpoint DIR`, or build one (`--preset full` on the GPU: tools.make_checkpoint
@@ -10,12 +11,20 @@ Phases (each timed and printed):
    `quit` in a finally. No GPU setting (compute mode, clocks) is touched.
 3. services: encoder, talker, decoder as real processes (tools/procs.py), slots = the largest N,
    the talker with fp8 KV and CUDA-graph replay on CUDA. If they do not start (say the talker's KV
-   does not fit), the next smaller N of --sessions/--fallback-sessions is tried.
+   does not fit), the next smaller N of --sessions/--fallback-sessions is tried. Each stage's GPU
+   memory (its CUDA memory gauges; none on the CPU) is read once they serve.
 4. for each N of --sessions, a fresh set of sessions: --client-procs load processes
-   (bench/pipeline_load.py) open N sessions (gateway Pipeline: voice + persona + sampling), all
-   admitted before one shared start, then one 1920-sample frame per session every 80 ms on an
-   absolute schedule for --duration-s, then a graceful close. Each service's /metrics is scraped
-   about once a second.
+   (bench/pipeline_load.py) open N-K steady sessions (gateway Pipeline: voice + persona +
+   sampling), all admitted before one shared start, then one 1920-sample frame per session every
+   80 ms on an absolute schedule for --duration-s, then a graceful close. From the same start, K =
+   --probe-sessions probe slots measure time to first audio at full load: each opens a session,
+   talks for --probe-cycle-s, closes and reopens at once, until the steady schedule ends, so about
+   N sessions are always live and every probe open meets a loaded system (the burst's open
+   latency is that of N simultaneous arrivals, not of one caller arriving at a busy system).
+   Every probe slot runs in one load process (the one the steady round-robin left lightest), so
+   its probes can take turns claiming a free slot (bench/pipeline_load.py says why that matters:
+   a stage frees a slot a moment after it acknowledged the stream's end). Each service's /metrics
+   is scraped about once a second.
 5. report (bench/pipeline_report.py): table, pipeline.json (rewritten after every phase, so a
    run cut short still leaves what it measured) and pipeline.png under --out.
 """
@@ -40,8 +49,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from bench.pipeline_report import plot, print_table, summarize_run
-from bench.pipeline_stats import bucket_quantile, histogram_delta, parse_metrics
+from bench.pipeline_report import gpu_memory_lines, plot, print_table, summarize_run
+from bench.pipeline_stats import bucket_quantile, gpu_memory, histogram_delta, parse_metrics
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, _die_with_parent, health_status
 
@@ -62,6 +71,8 @@ class BenchConfig:
     fallback_sessions: str = ""  # run only if the services do not start with the larger slot count
     extra_slots: int = 0  # slots beyond the largest N (the talker's KV for 160 slots nearly fills an H200)
     duration_s: float = 120.0  # input audio per session
+    probe_sessions: int = 1  # K of the N slots reopen over and over: time to first audio at full load (0: none)
+    probe_cycle_s: float = 4.0  # input audio per probe session before it closes and reopens
     client_procs: int = min(8, max(1, (os.cpu_count() or 2) // 2))
     mps: bool = False
     out: str = "bench/results"
@@ -104,10 +115,17 @@ class BenchConfig:
             raise SystemExit("--duration-s >= 1, --client-procs >= 1 and --window-s > 0 are required")
         if self.mps and not self.cuda:
             raise SystemExit("--mps needs --device cuda")
+        if self.probe_sessions < 0 or self.probe_sessions >= min(self.sweep + self.fallbacks):
+            raise SystemExit(f"--probe-sessions K needs 0 <= K < every N of --sessions/--fallback-sessions (the "
+                             f"other N-K sessions are the steady load); got K={self.probe_sessions} and N="
+                             f"{min(self.sweep + self.fallbacks)}")
+        if self.probe_cycle_s < 2 * FRAME_PERIOD_S:
+            raise SystemExit(f"--probe-cycle-s must be >= {2 * FRAME_PERIOD_S:g} (first audio needs two input frames)")
 
 
 # --smoke: the same script on the CPU with the tiny checkpoint (explicit flags still win).
 SMOKE = dict(preset="tiny", device="cpu", sessions="2", duration_s=4.0, client_procs=1, mps=False, window_s=2.0,
+             probe_sessions=1, probe_cycle_s=1.5,  # short cycles: the 4 s run reopens the probe
              ready_timeout_s=120.0, open_timeout_s=60.0, progress_every_s=1.0,
              out=os.path.join(tempfile.gettempdir(), "pipeline-smoke"))  # never over the GPU results
 
@@ -417,27 +435,30 @@ class LoadProcess:
 
 
 async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: int, work: Path) -> dict:
-    """N fresh sessions through the three services; returns the run's summary (pipeline_report)."""
+    """N fresh sessions through the three services (N-K steady, K probe slots); returns the run's
+    summary (pipeline_report)."""
     await wait_all_free(procs, n, timeout_s=60)
     frames = int(round(cfg.duration_s / FRAME_PERIOD_S))
-    ids = [f"bench-n{n}-{i:03d}" for i in range(n)]
+    steady = n - cfg.probe_sessions
     k = min(cfg.client_procs, n)
-    shares = [ids[i::k] for i in range(k)]
+    shares, probe_shares = deal_sessions(n, cfg.probe_sessions, k)
     loaders = [await LoadProcess.start(i, work) for i in range(k)]
     phases: dict[str, float] = {}
     done: list[asyncio.Task] = []
     try:
         t0 = time.monotonic()
         for i, lp in enumerate(loaders):
-            await lp.send({"cell": [procs[s].address for s in STAGES], "stream_ids": shares[i], "voice": cfg.voice,
-                           "persona": cfg.persona, "frames": frames, "period_s": FRAME_PERIOD_S,
+            await lp.send({"cell": [procs[s].address for s in STAGES], "stream_ids": shares[i],
+                           "probe_ids": probe_shares[i], "voice": cfg.voice, "persona": cfg.persona,
+                           "frames": frames, "period_s": FRAME_PERIOD_S, "probe_cycle_s": cfg.probe_cycle_s,
                            "open_timeout_s": cfg.open_timeout_s, "stall_timeout_s": cfg.stall_timeout_s,
                            "cleanup_timeout_s": cfg.cleanup_timeout_s, "result_path": str(work / f"load-n{n}-{i}.json")})
         admissions = [await lp.expect("admitted", cfg.open_timeout_s + 60) for lp in loaders]
         admitted = sum(len(a["admitted"]) for a in admissions)
         refused = [r for a in admissions for r in a["refused"]]
         phases["admission_s"] = round(time.monotonic() - t0, 2)
-        log(f"N={n}: {admitted}/{n} sessions admitted in {phases['admission_s']:.1f} s over {k} load processes"
+        log(f"N={n}: {admitted}/{steady} steady sessions admitted in {phases['admission_s']:.1f} s over {k} load "
+            f"processes" + (f"; {cfg.probe_sessions} probe slot(s) open from the start" if cfg.probe_sessions else "")
             + (f"; refused: {refused[:3]}" if refused else ""))
 
         before = await asyncio.to_thread(scrape, procs)  # first: a slow scrape must not eat the lead time
@@ -445,7 +466,8 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
         snapshots = [(-START_LEAD_S, before)]
         for lp in loaders:
             await lp.send({"start_at": start_at})
-        done = [asyncio.create_task(lp.expect("done", cfg.duration_s + cfg.cleanup_timeout_s + 120)) for lp in loaders]
+        done = [asyncio.create_task(lp.expect("done", cfg.duration_s + cfg.probe_cycle_s + cfg.cleanup_timeout_s + 120))
+                for lp in loaders]
         service_exits: dict[str, int] = {}
         next_scrape = start_at + 1.0
         next_note = start_at + cfg.progress_every_s
@@ -462,7 +484,7 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
                     log(f"N={n}: {s} exited with code {p.proc.returncode} during the run")
             if now >= next_note:
                 next_note += cfg.progress_every_s
-                log(progress_line(n, start_at, cfg.duration_s, loaders, snapshots))
+                log(progress_line(n, steady, start_at, cfg.duration_s, loaders, snapshots))
         results = [json.loads(Path((await d)["done"]).read_text()) for d in done]
         phases["run_and_close_s"] = round(time.monotonic() - start_at, 2)
         snapshots.append((round(time.monotonic() - start_at, 3), await asyncio.to_thread(scrape, procs)))
@@ -473,7 +495,8 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
             await lp.close()
     try:
         summary = summarize_run(n, results, refused, snapshots, duration_s=cfg.duration_s, frames=frames,
-                                window_s=cfg.window_s, backlog_growth_frames=cfg.backlog_growth_frames)
+                                window_s=cfg.window_s, backlog_growth_frames=cfg.backlog_growth_frames,
+                                probe_slots=cfg.probe_sessions, probe_cycle_s=cfg.probe_cycle_s)
     except Exception as e:
         # Keep what was measured: the raw records can be summarized again offline.
         raw = Path(cfg.out) / f"pipeline-raw-n{n}.json"
@@ -490,19 +513,33 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
     return summary
 
 
-def progress_line(n: int, start_at: float, duration_s: float, loaders: list[LoadProcess], snapshots: list) -> str:
+def deal_sessions(n: int, probes: int, procs: int) -> tuple[list[list[str]], list[list[str]]]:
+    """Stream ids of the steady sessions and the probe slots, per load process. Steady sessions
+    round-robin from process 0; every probe slot goes to the process that round-robin would have
+    served next (one with the fewest steady sessions), because probes must be in one process to
+    take turns claiming a free slot."""
+    ids = [f"bench-n{n}-{i:03d}" for i in range(n - probes)]
+    steady = [ids[i::procs] for i in range(procs)]
+    probe: list[list[str]] = [[] for _ in range(procs)]
+    probe[(n - probes) % procs] = [f"bench-n{n}-probe{j}" for j in range(probes)]
+    return steady, probe
+
+
+def progress_line(n: int, steady: int, start_at: float, duration_s: float, loaders: list[LoadProcess],
+                  snapshots: list) -> str:
     sent = sum(lp.progress.get("sent", 0) for lp in loaders)
     recv = sum(lp.progress.get("recv", 0) for lp in loaders)
     errors = sum(lp.progress.get("errors", 0) for lp in loaders)
     late = max((lp.progress.get("late_max_ms", 0.0) for lp in loaders), default=0.0)
+    probes = sum(lp.progress.get("probe_cycles", 0) for lp in loaders)
     tick = "-"
     window = [s for _, s in snapshots[-6:] if s.get("talker") is not None]
     if len(window) >= 2:
         q = bucket_quantile(histogram_delta(window[0]["talker"], window[-1]["talker"], "duplex_talker_tick_seconds"), 0.99)
         tick = "-" if q != q else f"{q * 1000:.1f} ms"
     t = min(duration_s, time.monotonic() - start_at)
-    return (f"N={n}: {t:5.1f}/{duration_s:g} s  frames/session in {sent / n:.1f} out {recv / n:.1f}  "
-            f"errors {errors}  talker tick p99 (last 5 s) {tick}  client late max {late:.1f} ms")
+    return (f"N={n}: {t:5.1f}/{duration_s:g} s  frames/steady session in {sent / steady:.1f} out {recv / steady:.1f}  "
+            f"errors {errors}  talker tick p99 (last 5 s) {tick}  client late max {late:.1f} ms  probe opens {probes}")
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -615,6 +652,9 @@ def main(argv: list[str] | None = None) -> int:
         result["phases_s"]["services_start"] = round(time.monotonic() - t, 1)
         info["args"] = {st: a.replace(str(checkpoint), "<checkpoint>") for st, a in info["args"].items()}
         info["gpu_after_start"] = gpu_state()
+        info["gpu_memory"] = gpu_memory(scrape(procs))
+        for line in gpu_memory_lines(info["gpu_memory"]):
+            log(line)
         result["services"] = info
         if mps is not None:  # evidence that the three services are clients of our MPS server
             servers = mps.query("get_server_list")

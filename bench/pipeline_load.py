@@ -8,12 +8,29 @@ encoder codes to the talker and talker agent codes to the decoder. So the benchm
 serving path people use, minus the WebSocket.
 
 Protocol with the parent (one JSON object per line; stdout carries nothing else):
-    stdin   {"cell": [enc, talk, dec], "stream_ids": [...], "voice", "persona", "frames",
-             "period_s", "open_timeout_s", "stall_timeout_s", "cleanup_timeout_s", "result_path"}
+    stdin   {"cell": [enc, talk, dec], "stream_ids": [...], "probe_ids": [...], "voice", "persona",
+             "frames", "period_s", "probe_cycle_s", "open_timeout_s", "stall_timeout_s",
+             "cleanup_timeout_s", "result_path"}
     stdout  {"admitted": [ids], "refused": [{"stream_id", "code", "message"}]}
     stdin   {"start_at": T}            T on time.monotonic(), a system-wide clock on Linux
-    stdout  {"progress": {"sent", "recv", "errors", "late_max_ms"}}   about once a second
-    stdout  {"done": result_path}      the per-frame records, written as JSON
+    stdout  {"progress": {"sent", "recv", "errors", "late_max_ms", "probe_cycles"}}   about once a second
+    stdout  {"done": result_path}      the per-frame records and the probe cycles, written as JSON
+
+The steady sessions (`stream_ids`) open together before T and send `frames` frames from T.
+Each probe slot (`probe_ids`, none opened before T) measures time to first audio while the
+steady sessions run: from T until the steady schedule ends (T + frames * period) it opens a
+session `<probe id>-<cycle>`, sends frames on an absolute schedule anchored where the open
+returned for `probe_cycle_s`, closes gracefully and reopens at once. A new cycle starts only
+while a whole one still fits before the end (the first always starts), and no probe frame is due
+after the end, so every probe sample is taken beside the steady sessions.
+
+Reopening "at once" means as soon as every stage has a free slot again: a stage acknowledges a
+stream's end before it frees the slot (services/common/slots.py frees it only after any batched
+step still touching it), and with slots = N an open in that gap is refused `no_free_slot`, a
+refusal of the benchmark's own making that would also count as a stage error. So a probe polls
+GetCapacity first (the wait is recorded as slot_wait_s, outside open_s), and this process's
+probes take turns at "wait for a free slot, open" so that two never claim the same one (the
+parent puts every probe slot in one load process for this).
 
 Pacing: session frame i is due at T + i * period (an absolute schedule). A send that is more than
 RESYNC_S late re-anchors that session's schedule at now instead of bursting to catch up; every
@@ -25,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import sys
 import time
 import zlib
@@ -33,7 +51,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from duplex.v1 import talker_pb2
+from duplex.v1 import common_pb2, talker_pb2
 from services.gateway.audio import FRAME_SAMPLES, SAMPLE_RATE
 from duplex.v1 import decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from services.gateway.cells import Cell
@@ -64,6 +82,8 @@ def synthetic_frames(seed: int) -> list[np.ndarray]:
 class SessionRun:
     stream_id: str
     pipeline: Pipeline | None = None
+    open_t: float = 0.0  # monotonic time the open call started
+    slot_wait_s: float = 0.0  # probes: waiting for every stage to free a slot before the open
     open_s: float = 0.0
     send_t: list[float] = field(default_factory=list)  # monotonic send time of input frame i
     late: list[float] = field(default_factory=list)  # seconds behind the session's schedule
@@ -108,7 +128,7 @@ async def read_json_line() -> dict:
 async def open_session(cell, run: SessionRun, cfg: dict, seed: int) -> None:
     params = OpenParams(stream_id=run.stream_id, voice=cfg["voice"], persona=cfg["persona"],
                         sampling=talker_pb2.Sampling(seed=seed))
-    t = time.monotonic()
+    t = run.open_t = time.monotonic()
     try:
         run.pipeline = await Pipeline.open_on(cell, params, open_timeout_s=cfg["open_timeout_s"],
                                               stall_timeout_s=cfg["stall_timeout_s"],
@@ -155,12 +175,90 @@ async def drive(run: SessionRun, frames: list[np.ndarray], offset: int, n_frames
         run.on_error(p.failed)
 
 
-async def report_progress(runs: list[SessionRun], every_s: float = 1.0) -> None:
+def seed_of(stream_id: str) -> int:
+    """Sampling seed from the stream id: distinct across sessions and load processes, the same on a
+    rerun (0 would mean random)."""
+    return 1 + zlib.crc32(stream_id.encode())
+
+
+def probe_frames(anchor: float, end_at: float, period: float, cycle_frames: int) -> int:
+    """Frames a probe cycle sends: `cycle_frames` on the schedule anchor + i * period, but none due
+    at or after `end_at` (the end of the steady schedule), so probes never run on an emptier system."""
+    if end_at <= anchor:
+        return 0
+    return min(cycle_frames, math.ceil((end_at - anchor) / period - 1e-9))
+
+
+async def wait_for_free_slot(cell, timeout_s: float, poll_s: float = 0.01) -> dict | None:
+    """Until every stage reports a free slot: None then, else the error to record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        full = None
+        for stage in ("encoder", "talker", "decoder"):
+            try:
+                cap = await cell.stubs[stage].GetCapacity(common_pb2.CapacityRequest(), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                return {"code": "capacity_failed", "stage": stage, "message": f"GetCapacity: {e.code().name} {e.details()}"}
+            if cap.free_slots < 1:
+                full = stage
+                break
+        if full is None:
+            return None
+        if time.monotonic() > deadline:
+            return {"code": "no_free_slot", "stage": full,
+                    "message": f"no free {full} slot {timeout_s:g} s after the last probe closed"}
+        await asyncio.sleep(poll_s)
+
+
+async def probe_slot(cell, cfg: dict, probe_id: str, frames: list[np.ndarray], start_at: float, end_at: float,
+                     cycles: list[SessionRun], claim: asyncio.Lock) -> None:
+    """One probe slot: open, talk for probe_cycle_s, close gracefully, reopen, from the shared start
+    until the steady schedule ends. Every cycle is appended to `cycles` as it starts."""
+    period, cycle_s = cfg["period_s"], cfg["probe_cycle_s"]
+    cycle_frames = max(1, round(cycle_s / period))
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    c = 0
+    while c == 0 or end_at - time.monotonic() >= cycle_s:
+        run = SessionRun(f"{probe_id}-{c}")
+        cycles.append(run)
+        async with claim:  # one probe at a time claims the free slot it waited for
+            t = time.monotonic()
+            run.error = await wait_for_free_slot(cell, cfg["cleanup_timeout_s"])
+            run.slot_wait_s = time.monotonic() - t
+            if run.error is not None:
+                return  # no slot comes back: this probe slot ends
+            await open_session(cell, run, cfg, seed=seed_of(run.stream_id))
+        if run.pipeline is None:  # refused or failed: recorded; a pause, not a tight retry loop
+            await asyncio.sleep(min(1.0, max(0.0, end_at - time.monotonic())))
+        else:
+            anchor = time.monotonic()  # the first frame goes out as soon as the session is ready
+            await drive(run, frames, c, probe_frames(anchor, end_at, period, cycle_frames), anchor, period)
+        c += 1
+
+
+def probe_record(run: SessionRun, rel) -> dict:
+    """One probe cycle for the result file; first_output_s is open call -> first decoded frame."""
+    p = run.pipeline
+    first = run.recv[0] if run.recv else None
+    return {"stream_id": run.stream_id, "slot_wait_s": round(run.slot_wait_s, 4),
+            "t_open": rel(run.open_t) if run.open_t else None, "open_s": round(run.open_s, 4) if p else None,
+            "prefill_ms": float(p.ready.prefill_ms) if p else None,
+            "output_delay_frames": p.output_delay_frames if p else None,
+            "frames_sent": len(run.send_t), "frames_out": len(run.recv),
+            "first_output_s": round(first[1] - run.open_t, 4) if first else None,
+            "first_output_seq": first[0] if first else None,
+            "error": run.error, "cleanup_confirmed": run.cleanup_confirmed}
+
+
+async def report_progress(runs: list[SessionRun], probes: list[SessionRun], every_s: float = 1.0) -> None:
+    """Steady sessions' totals (what the parent's progress line divides by the steady count) and
+    the number of probe cycles started so far."""
     while True:
         await asyncio.sleep(every_s)
         emit({"progress": {"sent": sum(len(r.send_t) for r in runs), "recv": sum(len(r.recv) for r in runs),
                            "errors": sum(r.error is not None for r in runs),
-                           "late_max_ms": round(1000 * max((max(r.late, default=0.0) for r in runs), default=0.0), 1)}})
+                           "late_max_ms": round(1000 * max((max(r.late, default=0.0) for r in runs), default=0.0), 1),
+                           "probe_cycles": len(probes)}})
 
 
 async def main() -> None:
@@ -168,19 +266,23 @@ async def main() -> None:
     cfg = await read_json_line()
     cell = make_cell(*cfg["cell"])
     runs = [SessionRun(sid) for sid in cfg["stream_ids"]]
-    # All of this process's sessions open at once, like simultaneous arrivals at a gateway.
-    # Seeds from the stream ids: distinct across load processes, the same on a rerun (0 would be random).
-    await asyncio.gather(*(open_session(cell, r, cfg, seed=1 + zlib.crc32(r.stream_id.encode())) for r in runs))
+    # All of this process's steady sessions open at once, like simultaneous arrivals at a gateway.
+    await asyncio.gather(*(open_session(cell, r, cfg, seed=seed_of(r.stream_id)) for r in runs))
     live = [r for r in runs if r.pipeline is not None]
     emit({"admitted": [r.stream_id for r in live],
           "refused": [{"stream_id": r.stream_id, **r.error} for r in runs if r.pipeline is None]})
 
     start_at = (await read_json_line())["start_at"]
     frames = synthetic_frames(seed=len(cfg["stream_ids"]))
-    progress = asyncio.create_task(report_progress(live))
+    end_at = start_at + cfg["frames"] * cfg["period_s"]
+    probes: list[SessionRun] = []
+    claim = asyncio.Lock()
+    progress = asyncio.create_task(report_progress(live, probes))
     try:
         await asyncio.gather(*(drive(r, frames, i % len(frames), cfg["frames"], start_at, cfg["period_s"])
-                               for i, r in enumerate(live)))
+                               for i, r in enumerate(live)),
+                             *(probe_slot(cell, cfg, pid, frames, start_at, end_at, probes, claim)
+                               for pid in cfg.get("probe_ids", [])))
     finally:
         progress.cancel()
 
@@ -193,7 +295,7 @@ async def main() -> None:
         "output_delay_frames": r.pipeline.output_delay_frames if r.pipeline else None,
         "send_t": [rel(t) for t in r.send_t], "late_s": [round(x, 6) for x in r.late], "reanchors": r.reanchors,
         "recv": [[s, rel(t)] for s, t in r.recv], "error": r.error, "cleanup_confirmed": r.cleanup_confirmed,
-    } for r in runs]}
+    } for r in runs], "probes": [probe_record(r, rel) for r in probes]}
     with open(cfg["result_path"], "w") as f:
         json.dump(result, f)
     for ch in cell.channels.values():

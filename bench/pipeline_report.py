@@ -12,6 +12,12 @@ Definitions (also written into pipeline.json):
   between the scrape before the shared start and the one after the last output; quantiles are
   interpolated inside a bucket (bucket resolution). The 80 ms pass line is a bucket bound, so
   "share of ticks <= 80 ms" is exact.
+- probes (time to first audio at full load): K of the N slots are probe slots that open, talk for
+  --probe-cycle-s and close again, over and over, while the other N-K ("steady") sessions run.
+  open_ms is open call -> session ready; first_audio_ms is open call -> first decoded PCM frame.
+  Every other figure and check of a run is about the steady sessions, except the service-side
+  ones (stage/tick histograms and counters), which see all N.
+- gpu_memory: each stage's CUDA allocator gauges, when the services export them (not on the CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from bench.pipeline_stats import (
     counter_by_label,
     counter_delta,
     fraction_le,
+    gpu_memory,
     histogram_delta,
     histogram_summary_ms,
     ms_summary,
@@ -53,6 +60,24 @@ DEFINITIONS = {
             "(mean frames in flight grows less than backlog_growth_frames over the run)",
     "backlog_frames": "mean over sessions of input frames sent that owe an output minus outputs received",
     "client_send_lateness_ms": "how late a load process sent a frame against its session's absolute schedule",
+    "sessions": "N: steady_sessions (open together before the shared start, then the whole schedule; every "
+                "client-side figure and check except probes_ok is about them) + probe_slots (see probes)",
+    "probes": "probe_slots sessions that open, talk for probe_cycle_s and close gracefully, then reopen at once, "
+              "from the shared start until the steady schedule ends, so about N sessions are always live. "
+              "open_ms: open call -> session ready (the prompt prefilled; the first input frame can be "
+              "answered), measured while the other N-K sessions run. prefill_ms: the talker's own prefill "
+              "figure for it. first_audio_ms: open call -> first decoded PCM frame received, sending input on "
+              "the 80 ms schedule from the moment the open returned; it includes the model's one-frame output "
+              "delay (first audio needs two input frames, so it comes at least 80 ms after the first frame is "
+              "sent) plus one pass through the pipeline. first_audio_after_open_ms: the same from the open's "
+              "return. slot_wait_ms: before each open, the wait until every stage has a free slot again (a stage "
+              "frees a slot just after it acknowledged the previous stream's end; opening in that gap would be "
+              "refused), not part of open_ms. errors: failed or refused opens, no free slot within the cleanup "
+              "timeout, session errors, unconfirmed cleanups, and cycles whose owed outputs did not all arrive; "
+              "any makes probes_ok false",
+    "gpu_memory": "per stage torch.cuda.memory_allocated / memory_reserved (MiB) and the device's free memory "
+                  "(mem_get_info, the lowest any stage reported), from the stages' gauges; null on the CPU. "
+                  "In a run: the scrape before the shared start and the one after the last output",
 }
 
 
@@ -99,8 +124,50 @@ def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:
     return rows
 
 
+def _probe_errors(cycles: list[dict]) -> list[dict]:
+    """Every probe cycle that went wrong, one entry each: its own error, an unconfirmed cleanup,
+    or outputs that never arrived although the graceful close owed them."""
+    errors = []
+    for c in cycles:
+        if c["error"]:
+            errors.append({"stream_id": c["stream_id"], **c["error"]})
+        elif c["cleanup_confirmed"] is False:
+            errors.append({"stream_id": c["stream_id"], "code": "cleanup_unconfirmed", "stage": None, "message": ""})
+        elif c["frames_out"] != max(0, c["frames_sent"] - (c["output_delay_frames"] or 0)):
+            errors.append({"stream_id": c["stream_id"], "code": "outputs_missing", "stage": None,
+                           "message": f"{c['frames_out']} outputs for {c['frames_sent']} frames sent"})
+    return errors
+
+
+def probe_summary(cycles: list[dict], slots: int, cycle_s: float) -> dict | None:
+    """The probe cycles of one run (pipeline_load's records); None without probe slots."""
+    if slots == 0:
+        return None
+    opened = [c for c in cycles if c["open_s"] is not None]
+    firsts = [c for c in opened if c["first_output_s"] is not None]
+    errors = _probe_errors(cycles)
+    return {
+        "slots": slots,
+        "cycle_s": cycle_s,
+        "cycles": len(cycles),
+        "errors": errors[:20],
+        "errors_total": len(errors),
+        "open_ms": ms_summary([c["open_s"] for c in opened]),
+        "prefill_ms": ms_summary([c["prefill_ms"] / 1000.0 for c in opened if c["prefill_ms"] is not None]),
+        "first_audio_ms": ms_summary([c["first_output_s"] for c in firsts]),
+        "first_audio_after_open_ms": ms_summary([c["first_output_s"] - c["open_s"] for c in firsts]),
+        "no_first_audio": len(opened) - len(firsts),
+        "slot_wait_ms": ms_summary([c["slot_wait_s"] for c in cycles]),
+        "frames_in": sum(c["frames_sent"] for c in cycles),
+        "frames_out": sum(c["frames_out"] for c in cycles),
+    }
+
+
 def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: list[tuple[float, dict]], *,
-                  duration_s: float, frames: int, window_s: float, backlog_growth_frames: float) -> dict:
+                  duration_s: float, frames: int, window_s: float, backlog_growth_frames: float,
+                  probe_slots: int = 0, probe_cycle_s: float = 0.0) -> dict:
+    """One N's summary. n counts every session slot; the first n - probe_slots are the steady
+    sessions in `results[...]["sessions"]`, the probe cycles are in `results[...]["probes"]`."""
     sessions = [s for r in results for s in r["sessions"]]
     live = [s for s in sessions if s["admitted"]]
     records = [SessionRecord(s["send_t"], [(int(q), float(t)) for q, t in s["recv"]], int(s["output_delay_frames"]))
@@ -127,18 +194,23 @@ def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: l
     trend = backlog_trend(grid, backlog, skip_s=min(5.0, duration_s / 4), max_growth_frames=backlog_growth_frames)
     trend["per_second"] = [{"t": float(t), "frames": round(float(b), 3)} for t, b in zip(grid, backlog) if float(t).is_integer()]
 
+    probes = probe_summary([c for r in results for c in r.get("probes", [])], probe_slots, probe_cycle_s)
+
     stage_errors = sum(sum(b["errors"].values()) for b in stages.values() if b is not None)
     checks = {
-        "all_admitted": len(live) == n,
+        "all_admitted": len(live) == n - probe_slots,
         "no_errors": not errors and not unconfirmed and stage_errors == 0 and None not in stages.values()
                      and (talker is None or talker["backlog_refusals"] == 0),
         "talker_tick_p99_under_80ms": talker is not None and talker["tick_share_le_80ms"] is not None
                                       and talker["tick_share_le_80ms"] >= 0.99,
         "no_growing_backlog": trend["growing"] is False,
         "all_outputs_delivered": bool(records) and f_out == owed,
+        "probes_ok": probes is None or (probes["cycles"] > 0 and probes["errors_total"] == 0),
     }
     return {
         "sessions": n,
+        "steady_sessions": n - probe_slots,
+        "probe_slots": probe_slots,
         "admitted": len(live),
         "duration_s": duration_s,
         "frames_per_session": frames,
@@ -158,6 +230,8 @@ def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: l
         "talker": talker,
         "latency_per_second": per_second_latency(records, int(math.ceil(duration_s)) + 2),
         "stage_timeline": stage_timeline(snapshots),
+        "probes": probes,
+        "gpu_memory": {"before": gpu_memory(before), "after": gpu_memory(after)},
         "errors": errors[:50],
         "errors_total": len(errors),
         "cleanup_unconfirmed": unconfirmed[:50],
@@ -190,8 +264,37 @@ def print_table(result: dict) -> None:
         print(" ".join(f"{v:>8.1f}" if isinstance(v, float) else f"{'-' if v is None else v:>8}" for v in vals))
     print("(ms; tick<=80 in %; quantiles of stage/tick times at Prometheus bucket resolution; "
           "backlog+ = growth of frames in flight over the run; min fps = slowest session's output rate in any window)")
+    for r in result["runs"]:
+        if r.get("probes"):
+            print(probe_line(r))
     print(f"largest passing N: {result['largest_passing_sessions']}")
     print()
+
+
+def probe_line(run: dict) -> str:
+    """One run's time to first audio at full load, for the console."""
+    p = run["probes"]
+
+    def ms(x):
+        return "-" if x is None else f"{x:.1f}"
+
+    return (f"N={run['sessions']} probes ({p['slots']} of N, {p['cycles']} opens beside {run['steady_sessions']} steady): "
+            f"open p50/p99 {ms(p['open_ms']['p50'])}/{ms(p['open_ms']['p99'])} ms, "
+            f"first audio p50/p99 {ms(p['first_audio_ms']['p50'])}/{ms(p['first_audio_ms']['p99'])} ms, "
+            f"errors {p['errors_total']}")
+
+
+def gpu_memory_lines(mem: dict | None) -> list[str]:
+    """gpu_memory() for the console: one line per stage, or one saying there is nothing to show."""
+    if mem is None:
+        return ["gpu memory: the stages export no GPU memory gauges (not on CUDA)"]
+    free = mem["device_free_mib"]
+    lines = []
+    for stage, m in mem["stages"].items():
+        what = "no gauges" if m is None else f"allocated {m['allocated_mib']:.0f} MiB, reserved {m['reserved_mib']:.0f} MiB"
+        lines.append(f"gpu memory: {stage:<8} {what}")
+    lines.append(f"gpu memory: device free {'-' if free is None else f'{free:.0f}'} MiB")
+    return lines
 
 
 def plot(result: dict, path) -> object | None:

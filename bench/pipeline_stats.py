@@ -7,6 +7,7 @@ hand-made data (tests/test_bench_pipeline.py).
     h = histogram_delta(before, after, "duplex_talker_tick_seconds")
     bucket_quantile(h, 0.99)                                     # Prometheus-style, bucket resolution
     fraction_le(h, 0.080)                                        # exact when 0.080 is a bucket bound
+    gpu_memory({"talker": snap, ...})                            # the stages' CUDA memory gauges, MiB
 """
 
 from __future__ import annotations
@@ -217,3 +218,37 @@ def counter_by_label(before: Snapshot, after: Snapshot, name: str, label: str, *
         if inc:
             out[d.get(label, "")] = out.get(d.get(label, ""), 0.0) + inc
     return out
+
+
+# ---- GPU memory gauges ------------------------------------------------------------------------
+
+MIB = 1024 * 1024
+# What each stage exports on CUDA only (services/common/metrics.py); absent on the CPU.
+GPU_MEMORY_GAUGES = {"allocated_mib": "duplex_stage_gpu_memory_allocated_bytes",  # torch.cuda.memory_allocated()
+                     "reserved_mib": "duplex_stage_gpu_memory_reserved_bytes"}  # torch.cuda.memory_reserved()
+GPU_FREE_GAUGE = "duplex_stage_gpu_memory_free_bytes"  # torch.cuda.mem_get_info()[0]: device-wide free
+
+
+def gauge_value(snap: Snapshot, name: str, stage: str) -> float | None:
+    """A gauge's value in one stage's scrape (samples labelled with another stage left out), or
+    None when the stage does not export it."""
+    values = [v for (n, labs), v in snap.items() if n == name and dict(labs).get("stage", stage) == stage]
+    return sum(values) if values else None
+
+
+def gpu_memory(snaps: dict[str, Snapshot | None]) -> dict | None:
+    """Per stage {"allocated_mib", "reserved_mib"} (None for a stage without the gauges or without
+    a scrape) and "device_free_mib": the lowest free figure any stage reported (they share one GPU;
+    the scrapes are a moment apart, so the lowest is the most recent squeeze). None when no stage
+    exports the gauges at all, as on the CPU."""
+    stages: dict[str, dict | None] = {}
+    free: list[float] = []
+    for stage, snap in snaps.items():
+        vals = {k: gauge_value(snap, name, stage) for k, name in GPU_MEMORY_GAUGES.items()} if snap else {}
+        stages[stage] = {k: round(v / MIB, 1) for k, v in vals.items()} if vals and None not in vals.values() else None
+        f = gauge_value(snap, GPU_FREE_GAUGE, stage) if snap else None
+        if f is not None:
+            free.append(f)
+    if all(v is None for v in stages.values()) and not free:
+        return None
+    return {"stages": stages, "device_free_mib": round(min(free) / MIB, 1) if free else None}

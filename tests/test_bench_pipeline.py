@@ -13,9 +13,12 @@ import sys
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
+from bench.pipeline import deal_sessions
 from bench.pipeline import main as pipeline_main
+from bench.pipeline_load import probe_frames
+from bench.pipeline_report import gpu_memory_lines, probe_summary, summarize_run
 from bench.pipeline_stats import (
     SessionRecord,
     backlog_series,
@@ -23,6 +26,7 @@ from bench.pipeline_stats import (
     bucket_quantile,
     counter_delta,
     fraction_le,
+    gpu_memory,
     histogram_delta,
     output_rate_windows,
     parse_metrics,
@@ -112,6 +116,111 @@ def test_output_rate_windows_show_the_slowest_session():
     assert rows[1]["mean_fps"] == pytest.approx(11.25, abs=0.15)
 
 
+# ---- probe sessions -----------------------------------------------------------------------------
+
+
+def test_probe_cycles_send_no_frame_due_after_the_steady_schedule():
+    assert probe_frames(10.0, 20.0, 0.08, 50) == 50  # a whole cycle fits
+    assert probe_frames(10.0, 11.0, 0.08, 50) == 13  # due at 10.00 .. 10.96; 11.04 would be past the end
+    assert probe_frames(10.0, 10.96, 0.08, 50) == 12  # exactly at the end: not sent
+    assert probe_frames(10.0, 10.0, 0.08, 50) == 0
+    assert probe_frames(12.0, 10.0, 0.08, 50) == 0  # the open returned after the end
+
+
+def test_steady_sessions_are_dealt_round_robin_and_every_probe_to_one_process():
+    steady, probes = deal_sessions(10, 2, 4)
+    assert [len(a) for a in steady] == [2, 2, 2, 2]
+    assert sorted(i for share in steady for i in share) == [f"bench-n10-{i:03d}" for i in range(8)]
+    assert probes == [["bench-n10-probe0", "bench-n10-probe1"], [], [], []]
+    steady, probes = deal_sessions(10, 1, 4)  # 9 steady: 3, 2, 2, 2; the probe joins the first with 2
+    assert [len(a) for a in steady] == [3, 2, 2, 2] and probes == [[], ["bench-n10-probe0"], [], []]
+    steady, probes = deal_sessions(2, 1, 1)
+    assert steady == [["bench-n2-000"]] and probes == [["bench-n2-probe0"]]
+    assert deal_sessions(3, 0, 2)[1] == [[], []]
+
+
+def _cycle(j: int, open_s: float | None = 0.2, first: float | None = 0.5, sent: int = 20, out: int = 19,
+           error: dict | None = None, confirmed: bool | None = True) -> dict:
+    return {"stream_id": f"bench-n3-probe0-{j}", "slot_wait_s": 0.01 * j, "t_open": 2.0 * j, "open_s": open_s,
+            "prefill_ms": None if open_s is None else 150.0, "output_delay_frames": None if open_s is None else 1,
+            "frames_sent": sent, "frames_out": out, "first_output_s": first, "first_output_seq": 1 if first else None,
+            "error": error, "cleanup_confirmed": confirmed}
+
+
+def test_probe_summary_counts_every_cycle_and_every_kind_of_failure():
+    assert probe_summary([], 0, 4.0) is None
+    ok = probe_summary([_cycle(0, 0.2, 0.45), _cycle(1, 0.4, 0.65)], 1, 4.0)
+    assert ok["cycles"] == 2 and ok["errors"] == [] and ok["errors_total"] == 0
+    assert ok["open_ms"]["count"] == 2 and ok["open_ms"]["max"] == pytest.approx(400.0)
+    assert ok["prefill_ms"]["p50"] == pytest.approx(150.0)
+    assert ok["first_audio_ms"]["max"] == pytest.approx(650.0)
+    assert ok["first_audio_after_open_ms"]["p50"] == pytest.approx(250.0)
+    assert ok["frames_in"] == 40 and ok["frames_out"] == 38 and ok["no_first_audio"] == 0
+    assert ok["slot_wait_ms"]["max"] == pytest.approx(10.0)
+
+    refused = {"code": "runtime_open_failed", "stage": "talker", "message": "no free slot"}
+    bad = probe_summary([_cycle(0), _cycle(1, None, None, 0, 0, refused, None), _cycle(2, confirmed=False),
+                         _cycle(3, out=5), _cycle(4, first=None, sent=0, out=0)], 1, 4.0)
+    assert [e["code"] for e in bad["errors"]] == ["runtime_open_failed", "cleanup_unconfirmed", "outputs_missing"]
+    assert bad["cycles"] == 5 and bad["open_ms"]["count"] == 4 and bad["first_audio_ms"]["count"] == 3
+    assert bad["no_first_audio"] == 1  # opened, closed at the end before sending: not an error
+
+
+def _steady(sid: str, frames: int = 10) -> dict:
+    return {"stream_id": sid, "admitted": True, "open_s": 0.3, "prefill_ms": 100.0, "output_delay_frames": 1,
+            "send_t": [i * 0.08 for i in range(frames)], "late_s": [0.0] * frames, "reanchors": 0,
+            "recv": [[i, i * 0.08 + 0.1] for i in range(1, frames)], "error": None, "cleanup_confirmed": True}
+
+
+def test_run_summary_keeps_the_steady_checks_on_the_steady_sessions():
+    unscraped = {s: None for s in ("encoder", "talker", "decoder")}
+    snaps = [(-0.5, unscraped), (1.0, unscraped)]
+    kw = dict(duration_s=1.0, frames=10, window_s=0.5, backlog_growth_frames=2.0, probe_cycle_s=0.5)
+    results = [{"sessions": [_steady("a"), _steady("b")], "probes": [_cycle(0), _cycle(1)]}]
+    run = summarize_run(3, results, [], snaps, probe_slots=1, **kw)
+    assert (run["sessions"], run["steady_sessions"], run["probe_slots"], run["admitted"]) == (3, 2, 1, 2)
+    assert run["checks"]["all_admitted"] and run["checks"]["all_outputs_delivered"] and run["checks"]["probes_ok"]
+    assert run["frames"]["in_total"] == 20 and run["open_ms"]["count"] == 2  # the burst's opens, not the probes'
+    assert run["probes"]["cycles"] == 2
+    assert run["gpu_memory"] == {"before": None, "after": None}
+
+    results[0]["probes"][1]["error"] = {"code": "stage_stalled", "stage": None, "message": "x"}
+    assert summarize_run(3, results, [], snaps, probe_slots=1, **kw)["checks"]["probes_ok"] is False
+    no_probes = summarize_run(2, [{"sessions": [_steady("a"), _steady("b")]}], [], snaps, **kw)
+    assert no_probes["probes"] is None and no_probes["checks"]["probes_ok"] is True
+    assert no_probes["steady_sessions"] == 2 and no_probes["checks"]["all_admitted"]
+
+
+# ---- GPU memory gauges --------------------------------------------------------------------------
+
+
+def _gpu_scrape(stage: str, allocated: float, reserved: float, free: float) -> dict:
+    reg = CollectorRegistry()
+    for name, v in (("allocated", allocated), ("reserved", reserved), ("free", free)):
+        Gauge(f"duplex_stage_gpu_memory_{name}_bytes", name, ["stage"], registry=reg).labels(stage).set(v)
+    Gauge("duplex_stage_free_slots", "slots", ["stage"], registry=reg).labels(stage).set(4)
+    return parse_metrics(generate_latest(reg).decode())
+
+
+def test_gpu_memory_from_the_stage_gauges_and_none_without_them():
+    mib = 1024 * 1024
+    snaps = {"encoder": _gpu_scrape("encoder", 100 * mib, 128 * mib, 9000 * mib),
+             "talker": _gpu_scrape("talker", 70_000 * mib, 72_000.5 * mib, 8000 * mib),
+             "decoder": None}  # did not answer the scrape
+    mem = gpu_memory(snaps)
+    assert mem["stages"]["encoder"] == {"allocated_mib": 100.0, "reserved_mib": 128.0}
+    assert mem["stages"]["talker"] == {"allocated_mib": 70_000.0, "reserved_mib": 72_000.5}
+    assert mem["stages"]["decoder"] is None
+    assert mem["device_free_mib"] == 8000.0  # the lowest view of the one device
+    assert len(gpu_memory_lines(mem)) == 4
+
+    reg = CollectorRegistry()  # a CPU service: slot gauges, no GPU gauges
+    Gauge("duplex_stage_free_slots", "slots", ["stage"], registry=reg).labels("talker").set(4)
+    cpu = parse_metrics(generate_latest(reg).decode())
+    assert gpu_memory({"encoder": cpu, "talker": cpu, "decoder": None}) is None
+    assert gpu_memory_lines(None) == ["gpu memory: the stages export no GPU memory gauges (not on CUDA)"]
+
+
 # ---- options ------------------------------------------------------------------------------------
 
 
@@ -119,6 +228,9 @@ def test_output_rate_windows_show_the_slowest_session():
     (["--smoke", "--sessions", "0"], "positive"),
     (["--smoke", "--mps"], "--mps needs --device cuda"),
     (["--smoke", "--preset", "huge"], "tiny or full"),
+    (["--smoke", "--probe-sessions", "2"], "--probe-sessions K needs"),  # smoke N is 2: no steady session left
+    (["--smoke", "--sessions", "4", "--fallback-sessions", "1"], "--probe-sessions K needs"),
+    (["--smoke", "--probe-cycle-s", "0.1"], "two input frames"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
@@ -142,15 +254,19 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
     assert set(result["services"]["ready_s"]) == {"encoder", "talker", "decoder"}
     assert result["phases_s"]["checkpoint"] >= 0 and result["phases_s"]["services_start"] > 0
 
+    assert result["services"]["gpu_memory"] is None  # the GPU gauges exist only on CUDA
+    assert "gpu memory: the stages export no GPU memory gauges" in proc.stdout
+
     (run,) = result["runs"]
-    assert run["sessions"] == 2 and run["admitted"] == 2
+    # N = 2: one steady session for the whole schedule, one probe slot reopening beside it.
+    assert (run["sessions"], run["steady_sessions"], run["probe_slots"], run["admitted"]) == (2, 1, 1, 1)
     assert run["errors_total"] == 0 and run["cleanup_unconfirmed"] == []
     assert run["checks"]["all_admitted"] and run["checks"]["no_errors"] and run["checks"]["all_outputs_delivered"]
 
     frames, delay = run["frames"], run["output_delay_frames"]
     assert delay >= 1
     assert frames["in_per_session_min"] == frames["in_per_session_max"] == run["frames_per_session"] == 50
-    assert frames["out_total"] == frames["in_total"] - 2 * delay  # graceful close: every owed frame came out
+    assert frames["out_total"] == frames["in_total"] - delay  # graceful close: every owed frame came out
 
     e2e = run["e2e_ms"]
     assert e2e["count"] == frames["out_total"]
@@ -163,15 +279,27 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
         assert block["step_ms"]["count"] > 0, stage
         assert 0 < block["step_ms"]["p50"] <= block["step_ms"]["p99"], stage
         assert block["errors"] == {}, stage
-    # The services' own counters agree with what the client saw.
-    assert run["stages"]["encoder"]["frames_in"] == frames["in_total"]
-    assert run["stages"]["talker"]["frames_out"] == frames["out_total"]
-    assert run["stages"]["decoder"]["frames_out"] == frames["out_total"]
+    # Time to first audio at full load: the probe slot opened, talked and closed, beside the steady session.
+    probes = run["probes"]
+    assert run["checks"]["probes_ok"] and probes["errors"] == [] and probes["errors_total"] == 0
+    assert probes["cycles"] >= 1 and probes["open_ms"]["count"] == probes["prefill_ms"]["count"] == probes["cycles"]
+    assert probes["first_audio_ms"]["count"] == probes["cycles"] and probes["no_first_audio"] == 0
+    assert 0 < probes["open_ms"]["p50"] < probes["first_audio_ms"]["p50"]
+    # The model's one-frame delay: first audio answers the second frame, sent 80 ms after the open returned.
+    assert probes["first_audio_after_open_ms"]["p50"] >= 79.0
+    assert probes["frames_out"] == probes["frames_in"] - probes["cycles"] * delay
+    assert f"N=2 probes (1 of N, {probes['cycles']} opens beside 1 steady)" in proc.stdout
+    assert run["gpu_memory"] == {"before": None, "after": None}
+
+    # The services' own counters agree with what the clients saw (steady sessions and probes).
+    assert run["stages"]["encoder"]["frames_in"] == frames["in_total"] + probes["frames_in"]
+    assert run["stages"]["talker"]["frames_out"] == frames["out_total"] + probes["frames_out"]
+    assert run["stages"]["decoder"]["frames_out"] == frames["out_total"] + probes["frames_out"]
 
     talker = run["talker"]
     assert talker["tick_ms"]["count"] > 0 and talker["tick_ms"]["p99"] > 0
     assert 0.0 <= talker["tick_share_le_80ms"] <= 1.0
-    assert talker["frames_advanced"] == frames["in_total"]
+    assert talker["frames_advanced"] == frames["in_total"] + probes["frames_in"]
     assert talker["backlog_refusals"] == 0
 
     assert run["backlog_frames"]["growing"] in (True, False)
