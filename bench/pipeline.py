@@ -281,7 +281,10 @@ def gpu_state() -> dict | None:
 
 def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, list[str]]:
     common = ["--checkpoint", str(checkpoint), "--slots", str(slots), "--device", cfg.device]
-    talker = ["--kv-fp8", "true", "--cuda-graph", "true"] if cfg.cuda else ["--threads", "1"]
+    # The GPU deployment's talker (k8s/overlays/gpu): fp8 KV ring and temporal weights, the step as
+    # one CUDA graph, and the sessions' voice prefilled at start.
+    talker = (["--kv-fp8", "true", "--weights-fp8", "true", "--cuda-graph", "true"] if cfg.cuda else ["--threads", "1"])
+    talker += ["--preload-voices", cfg.voice]
     codec = ["--threads", "1"] + (["--cuda-graph", "true"] if cfg.cuda else [])
     return {"encoder": common + codec + shlex.split(cfg.codec_args),
             "talker": common + talker + shlex.split(cfg.talker_args),

@@ -1,17 +1,20 @@
-"""Quality guard for the fp8 KV ring at the real shapes (random full-size weights, one GPU).
+"""Quality guard for the serving shortcuts at the real shapes (random full-size weights, one GPU):
+the fp8 KV ring, and the fp8 temporal weights on top of it (what the GPU deployment runs).
 
     python -m bench.quality [--fills 64,512,3000] [--out bench/results]
 
-For each context fill, the same random token history is run into a slot twice, once with the
-bf16 ring and once with the fp8 ring (prefill in chunks, then one live step). Reported: the
-relative error (||fp8 - bf16|| / ||bf16||) of every layer's attention output on the live step
-(mean and max over layers) and of the text logits, and whether greedy text agrees.
+For each context fill, the same random token history is run into a slot three times: bf16
+weights with the bf16 ring (the reference), bf16 weights with the fp8 ring, and fp8 temporal
+weights with the fp8 ring (prefill in chunks, then one live step). Reported against the
+reference: the relative error (||x - ref|| / ||ref||) of every layer's attention output on the
+live step (mean and max over layers) and of the text logits, and whether greedy text agrees.
 Writes `quality.json` under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -46,6 +49,13 @@ def run(model, fp8: bool, tokens: torch.Tensor, chunk: int) -> tuple[list[torch.
     return seen, model.text_logits(h)[:, 0]
 
 
+def compare(attn: list[torch.Tensor], logits: torch.Tensor, attn_ref: list[torch.Tensor], logits_ref: torch.Tensor) -> dict:
+    errs = [rel(a, r) for a, r in zip(attn, attn_ref)]
+    return {"attn_rel_err_mean": sum(errs) / len(errs), "attn_rel_err_max": max(errs),
+            "text_logits_rel_err": rel(logits, logits_ref),
+            "greedy_text_agreement": float((logits.argmax(-1) == logits_ref.argmax(-1)).float().mean())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fills", default="64,512,3000")
@@ -60,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LMConfig.tiny() if args.smoke else LMConfig.full()
     device = "cpu" if args.smoke else "cuda"
     model = random_model(cfg, dep_steps=8, seed=1, device=device)
+    model_w8 = copy.deepcopy(model)
+    model_w8.quantize_weights_fp8_()
     g = torch.Generator().manual_seed(0)
     rows = []
     for fill in (int(f) for f in args.fills.split(",")):
@@ -67,13 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         audio = torch.randint(0, cfg.card, (args.batch, fill, cfg.n_q), generator=g)
         tokens = torch.cat([text, audio], dim=-1).to(device)
         attn16, logits16 = run(model, False, tokens, args.chunk)
-        attn8, logits8 = run(model, True, tokens, args.chunk)
-        errs = [rel(a8, a16) for a8, a16 in zip(attn8, attn16)]
-        row = {"fill": fill, "attn_rel_err_mean": sum(errs) / len(errs), "attn_rel_err_max": max(errs),
-               "text_logits_rel_err": rel(logits8, logits16),
-               "greedy_text_agreement": float((logits8.argmax(-1) == logits16.argmax(-1)).float().mean())}
-        log(f"fill {fill}: attention rel err mean {row['attn_rel_err_mean']:.2e} max {row['attn_rel_err_max']:.2e}, "
-            f"text logits rel err {row['text_logits_rel_err']:.2e}, greedy text agreement {row['greedy_text_agreement']:.2f}")
+        row = {"fill": fill, **compare(*run(model, True, tokens, args.chunk), attn16, logits16)}
+        row["fp8_weights_and_kv"] = compare(*run(model_w8, True, tokens, args.chunk), attn16, logits16)
+        for name, r in (("fp8 KV", row), ("fp8 weights + KV", row["fp8_weights_and_kv"])):
+            log(f"fill {fill}, {name}: attention rel err mean {r['attn_rel_err_mean']:.2e} max {r['attn_rel_err_max']:.2e}, "
+                f"text logits rel err {r['text_logits_rel_err']:.2e}, greedy text agreement {r['greedy_text_agreement']:.2f}")
         rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

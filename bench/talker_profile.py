@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,160")
     ap.add_argument("--steps", type=int, default=3, help="eager steps under the profiler")
     ap.add_argument("--tokenizer", required=True, help="a SentencePiece model")
+    ap.add_argument("--weights-fp8", action="store_true", help="the temporal matrices in fp8 (the serving config)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     model = random_model(LMConfig.full(), dep_steps=AGENT_CODEBOOKS)
+    if args.weights_fp8:
+        model.quantize_weights_fp8_()
     tok = TextTokenizer.load(args.tokenizer)
     print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
@@ -116,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         print_row(rows[-1])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "talker_profile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    name = "talker_profile_fp8w.json" if args.weights_fp8 else "talker_profile.json"
+    (out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "weights_fp8": args.weights_fp8,
+                                        "rows": rows}, indent=1))
     return 0
 
 

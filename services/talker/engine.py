@@ -203,10 +203,13 @@ class TalkerEngine:
     @classmethod
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, context: int | None = None,
-                        kv_fp8: bool = False, cuda_graph: bool = False) -> "TalkerEngine":
+                        kv_fp8: bool = False, cuda_graph: bool = False, weights_fp8: bool = False) -> "TalkerEngine":
+        """weights_fp8: the temporal layers' matrices in fp8 (services/talker/fp8_weights.py)."""
         section = paths.serve_config()
         cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
         model = LMModel.load(paths.lm, cfg, device=device, dtype=dtype, dep_steps=AGENT_CODEBOOKS)
+        if weights_fp8:
+            log.info("temporal weights to fp8: %.2f GB saved", model.quantize_weights_fp8_() / 1e9)
         return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8,
                    cuda_graph=cuda_graph)
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.common.checkpoint import LM_FILE, CheckpointError
+from services.talker.fp8_weights import linear, quantize_temporal_weights
 from services.talker.kv_cache import DepformerCache, Fp8KVCache, KVCache
 from services.talker.layers import Gating, RMSNorm, Weight, apply_rope, embed_or_zero
 
@@ -132,7 +133,7 @@ class TemporalAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv: KVCache, layer: int, slots: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         # rows of in_proj are q|k|v, each (heads, head_dim): [3, B, H, T, Dh]
-        q, k, v = F.linear(x, self.in_proj_weight).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        q, k, v = linear(x, self.in_proj_weight).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, k, positions, self.max_period)
         out = kv.attend(layer, q, k, v, slots, positions)  # stores k/v in the slot's ring
         return self.out_proj(out.transpose(1, 2).flatten(2))
@@ -225,6 +226,14 @@ class LMModel(nn.Module):
         self._modules["depformer"] = Stack([DepformerLayer(cfg, dep_steps, **kw) for _ in range(cfg.dep_layers)])
         self.linears = nn.ModuleList(nn.Linear(cfg.dep_dim, cfg.card, bias=False, **kw) for _ in range(dep_steps))
         self.requires_grad_(False)
+
+    def quantize_weights_fp8_(self) -> int:
+        """The temporal layers' matrices to fp8 with per-row scales, in place (services/talker/
+        fp8_weights.py); returns the bytes saved. Loading a checkpoint afterwards is not supported."""
+        saved = quantize_temporal_weights(self.transformer.layers)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 matrices' blocks back to the device, for the KV ring
+        return saved
 
     @property
     def dep_layers(self) -> nn.ModuleList:

@@ -231,7 +231,8 @@ class TalkerService:
             # Loading is heavy; keep the loop free (nothing else runs yet, but signals still work).
             self.engine = await asyncio.to_thread(
                 eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype,
-                context=cfg.context or None, kv_fp8=cfg.kv_fp8, cuda_graph=cfg.cuda_graph)
+                context=cfg.context or None, kv_fp8=cfg.kv_fp8, cuda_graph=cfg.cuda_graph,
+                weights_fp8=cfg.weights_fp8)
         elif self.engine.num_slots != cfg.slots:
             raise ValueError(f"the given engine has {self.engine.num_slots} slots, the config says {cfg.slots}")
         log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), output delay %d frames",
