@@ -493,20 +493,44 @@ def test_config_env_then_flags_and_bad_values():
         TalkerConfig.load(["--checkpoint", "/x"], env={"TALKER_SLOTS": "many"})
 
 
-def test_prefill_chunk_cost_model_sizes_chunks_to_the_time_left():
-    """A GPU-like cost (mostly fixed per chunk) must allow big chunks in a small spare time; a
-    CPU-like cost (per frame) must not. A per-frame average alone gets the GPU case wrong."""
-    from services.talker.scheduler import ChunkCost
+async def test_prefill_rides_behind_the_step_and_only_fails_its_own_session(tiny_checkpoint):
+    """With a session live, a new session's prompt is run behind the main step (begin + a whole
+    chunk, oldest first), not in idle time; it then talks exactly like a session run alone. A
+    begin() that refuses (a voice the engine lacks) fails that session only."""
+    from services.common.checkpoint import InvalidVoice
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.scheduler import ConversationClock, Ready
 
-    gpu = ChunkCost()
-    assert gpu.frames_within(0.010) == 1  # uncalibrated: one frame
-    gpu.observe(1, 0.008)  # 8 ms fixed
-    assert gpu.frames_within(0.005) == 0 and gpu.frames_within(0.010) == 8
-    gpu.observe(8, 0.0087)  # +0.1 ms per frame
-    assert gpu.frames_within(0.012) >= 40  # a whole prompt chunk fits a 12 ms gap
-    cpu = ChunkCost()
-    cpu.observe(1, 0.002)
-    cpu.observe(8, 0.016)  # 2 ms per frame
-    assert cpu.frames_within(0.012) == 6
-    cpu.observe(6, 0.030)  # slower than expected: the estimate rises at once
-    assert cpu.frames_within(0.012) < 6
+    eng = engine(tiny_checkpoint, "served")
+    pool = SlotPool(SLOTS)
+    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64)
+    loop = asyncio.get_running_loop()
+    voice, greedy = first_voice(tiny_checkpoint), SamplingParams(greedy=True, seed=1)
+    try:
+        first = clock.open("first", pool.acquire(), None, "", greedy, 1)
+        assert await clock._prefill_idle() and first.live  # nobody live: prefill in idle time
+        mine_slot = pool.acquire()
+        mine = clock.open("mine", mine_slot, voice, PERSONA, greedy, 1)
+        bad = clock.open("bad", pool.acquire(), "NOT-A-VOICE.pt", PERSONA, greedy, 1)
+        frames = user_frames(14, 3)
+        clock.push(first, 0, frames[0])
+        assert await clock._tick(loop.time() + 10) == 1  # one main step ...
+        assert mine.live and not bad.live and clock.steps == 1  # ... with mine's whole prompt behind it
+        assert isinstance(mine.outbox.get_nowait(), Ready)
+        clock.push(first, 1, frames[1])
+        await clock._tick(loop.time() + 10)  # the next step carries the next waiting session: bad
+        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed
+        got = []
+        for i, f in enumerate(frames):  # mine talks beside first, as if alone
+            clock.push(mine, i, f)
+            clock.push(first, i + 2, frames[(i + 2) % len(frames)])
+            await clock._tick(loop.time() + 10)
+            while not mine.outbox.empty():
+                out = mine.outbox.get_nowait()
+                got.append((out.text_token, out.agent_codes))
+        assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
+    finally:
+        for sess in list(clock.sessions.values()):
+            clock.close(sess)
+        await clock.stop()

@@ -81,7 +81,7 @@ class _VoicePrefix:
         self.kv = engine.model.new_kv_cache(1, context=max(1, min(self.total, engine.context)), **engine._kv_format)
         self.done = 0
         self._model = engine.model
-        self._slot = torch.zeros(1, dtype=torch.long, device=engine.device)
+        self._slot = self.kv.slot_index(0)
 
     @property
     def complete(self) -> bool:
@@ -110,7 +110,7 @@ class PrefillJob:
         self._next = 0  # next row of cols.inputs
         self._done = False
         self.cancelled = False
-        self._slot_t = torch.tensor([slot], dtype=torch.long, device=engine.device)
+        self._slot_t = engine.kv.slot_index(slot)  # checked once: the chunks below never sync with the GPU
 
     @property
     def done(self) -> bool:
@@ -137,7 +137,7 @@ class PrefillJob:
         inputs = self._cols.inputs
         if budget > 0 and self._next < inputs.shape[0]:
             n = min(budget, inputs.shape[0] - self._next)
-            x = eng.model.embed(inputs[self._next : self._next + n][None].to(eng.device))
+            x = eng.model.embed(inputs[self._next : self._next + n][None].to(eng.device), check=False)  # ids are ours
             eng.model.temporal(x, eng.kv, self._slot_t)
             self._next += n
             self.frames_done += n
@@ -171,8 +171,11 @@ class TalkerEngine:
         if RING < cfg.max_delay + 3:
             raise ValueError(f"token ring of {RING} columns is too short for max delay {cfg.max_delay}")
         K, dev = cfg.num_streams, self.device
-        self.delays = torch.tensor(cfg.delays, dtype=torch.long, device=dev)
-        self.initial = prompt.initial_tokens(cfg.text_card, cfg.card, K).to(dev)
+        # Host copies too: begin() must not read device tensors back (a sync behind a running step).
+        self._delays_host = torch.tensor(cfg.delays, dtype=torch.long)
+        self._initial_host = prompt.initial_tokens(cfg.text_card, cfg.card, K)
+        self.delays = self._delays_host.to(dev)
+        self.initial = self._initial_host.to(dev)
         self.hist = torch.full((slots, K, RING), prompt.UNKNOWN, dtype=torch.long, device=dev)
         self.offset = torch.zeros(slots, dtype=torch.long, device=dev)  # column the next step reads
         self.start = torch.ones(slots, dtype=torch.long, device=dev)  # first frame the model generates
@@ -235,7 +238,7 @@ class TalkerEngine:
         tokens = None
         if persona is not None or voice is not None:
             tokens = self._persona_tokens("" if persona is None else persona)
-        cols = prompt.build(prefix.voice if prefix else None, tokens, self.delays.cpu(), self.initial.cpu())
+        cols = prompt.build(prefix.voice if prefix else None, tokens, self._delays_host, self._initial_host)
         if cols.frames > self.context:
             raise InvalidPersona(
                 f"the prompt is {cols.frames} frames (voice, silence, {len(tokens or [])} persona tokens), "
@@ -448,7 +451,7 @@ class TalkerEngine:
         return self._voice_kv[name]
 
     def _copy_voice_kv(self, slot: int, prefix: _VoicePrefix) -> None:
-        self.kv.copy_slot(prefix.kv, 0, slot)
+        self.kv.copy_slot(prefix.kv, 0, slot, src_length=prefix.done)
 
     def _persona_tokens(self, persona: str) -> list[int]:
         if not isinstance(persona, str):

@@ -35,6 +35,7 @@ class KVCache:
         # Passing this very tensor as `slots` skips the (host-syncing) validity check: use it for
         # a step over every slot, e.g. under a CUDA graph.
         self.all_slots = torch.arange(slots, device=device)
+        self._slot_index: dict[int, torch.Tensor] = {}  # slot -> LongTensor [slot] (see slot_index)
 
     @property
     def slots(self) -> int:
@@ -63,19 +64,21 @@ class KVCache:
         """Every tensor indexed [layer, slot, head, ring index, ...] (a subclass adds its scales)."""
         return [self.k, self.v]
 
-    def copy_slot(self, src: "KVCache", src_slot: int, dst_slot: int) -> None:
+    def copy_slot(self, src: "KVCache", src_slot: int, dst_slot: int, src_length: int | None = None) -> None:
         """Copy slot `src_slot` of `src` (same format) into our `dst_slot`, which must be reset.
 
         `src` may have a shorter ring than ours if its slot never wrapped (a voice prefix sized to
         the voice): its positions 0..n-1 then sit at ring indices 0..n-1 in both, and the rest of
-        our (reset, zeroed) ring stays empty."""
+        our (reset, zeroed) ring stays empty. `src_length`, the positions the source slot has
+        written if the caller knows it, spares the check a host sync."""
         n = src.context
         layout = lambda c: (type(c), c.k.dtype, c.k.shape[0], c.k.shape[2], c.k.shape[4])  # noqa: E731 (layers, heads, head_dim)
         if layout(src) != layout(self) or n > self.context:
             raise ValueError(f"cannot copy a {type(src).__name__} {tuple(src.k.shape)} {src.k.dtype} slot into a "
                              f"{type(self).__name__} {tuple(self.k.shape)} {self.k.dtype}")
-        if n < self.context and int(src.length[src_slot]) > n:
-            raise ValueError(f"the source slot wrapped its ring of {n} ({int(src.length[src_slot])} positions written); "
+        written = int(src.length[src_slot]) if src_length is None else src_length
+        if n < self.context and written > n:
+            raise ValueError(f"the source slot wrapped its ring of {n} ({written} positions written); "
                              f"only an unwrapped slot copies into a longer ring")
         for ours, theirs in zip(self._stores(), src._stores(), strict=True):
             ours[:, dst_slot, :, :n].copy_(theirs[:, src_slot])
@@ -100,9 +103,19 @@ class KVCache:
         pos = last[:, None] - torch.remainder(last[:, None] - j, C)
         return torch.where(pos >= 0, pos, torch.full_like(pos, -1))
 
+    def slot_index(self, slot: int) -> torch.Tensor:
+        """A device LongTensor [slot] for a call on one slot, checked here on the host once: passing
+        it as `slots` skips check_slots' host syncs (a prefill then queues behind a step's GPU
+        work instead of waiting for it)."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot!r} is out of range for a cache of {self.slots} slots")
+        if slot not in self._slot_index:
+            self._slot_index[slot] = torch.tensor([slot], dtype=torch.long, device=self.device)
+        return self._slot_index[slot]
+
     def check_slots(self, slots: torch.Tensor) -> None:
         """Rows of one call must name distinct, existing slots (a duplicate would race its own writes)."""
-        if slots is self.all_slots:
+        if slots is self.all_slots or any(slots is t for t in self._slot_index.values()):  # identity: made here
             return
         if slots.dim() != 1 or slots.dtype != torch.long:
             raise ValueError(f"slots must be a 1-D LongTensor, got {tuple(slots.shape)} {slots.dtype}")

@@ -8,12 +8,20 @@ step's batch (and its slot stays pinned until that step returns) or in none.
 
 One period of the clock (tick_s, 80 ms):
 
-    deadline ──▶ main step: every live session with a queued frame, one frame each
+    deadline ──▶ main step: every live session with a queued frame, one frame each,
+                   with one piece of prefill riding behind it (below)
                  catch-up steps: sessions that still have queued frames, while the
                    measured step time still fits before the next deadline
-                 prefill: begin() and prefill chunks of new sessions, sized to the
-                   time left in the period (they never make a tick late)
-                 sleep until the next deadline (woken early by new prefill work)
+                 sleep until the next deadline (woken early by new work)
+
+Prefill rides behind the main step. A prefill chunk is a few thousand eager kernel launches:
+tens of ms of host time, while its GPU time is a few ms. So the compute thread launches the
+step (one graph replay), queues its outputs' copy to the host, then launches one piece of
+prefill (begin() and up to prefill_chunk_frames prompt frames of the oldest waiting session)
+while the GPU is still busy with the step, and only then waits for the step's outputs. The
+host cost hides behind the step; the GPU runs the piece after the step, so only its GPU time
+(not its launch time) comes out of the period. When no step is running (no live session, or
+none with input for two periods) prefill runs in the idle time instead, in whole chunks.
 
 A live session without input for a tick is not stepped (no invented audio) and
 costs the others nothing: the batch has a fixed shape [slots, 8] and an active mask.
@@ -88,40 +96,6 @@ class Session:
     prefill_started: float = 0.0
 
 
-class ChunkCost:
-    """The time of a prefill chunk of T frames, modelled as fixed + T * per_frame.
-
-    On a GPU a chunk costs mostly its fixed part (kernel launches, one read of the weights),
-    whatever T; on a CPU it grows with T. A per-frame average alone would make a GPU size every
-    chunk at one frame and prefill a prompt at one frame per period (seconds per session).
-    Estimates rise at once and fall slowly, so a chunk that overshot once is not repeated.
-    """
-
-    def __init__(self) -> None:
-        self.fixed_s: float | None = None  # from 1-frame chunks (the first chunk is one frame)
-        self.per_frame_s: float | None = None  # from longer chunks, beyond the fixed part
-
-    @staticmethod
-    def _update(old: float | None, new: float) -> float:
-        return new if old is None else max(new, 0.7 * old + 0.3 * new)
-
-    def observe(self, frames: int, seconds: float) -> None:
-        if frames <= 1 or self.fixed_s is None:
-            self.fixed_s = self._update(self.fixed_s, seconds)
-        else:
-            self.per_frame_s = self._update(self.per_frame_s, max(0.0, seconds - self.fixed_s) / (frames - 1))
-
-    def frames_within(self, seconds: float) -> int:
-        """How many frames a chunk may have to fit in `seconds` (0: not even one)."""
-        if self.fixed_s is None:
-            return 1  # uncalibrated: one frame measures the fixed part
-        if seconds < self.fixed_s:
-            return 0
-        if self.per_frame_s is None:
-            return 8  # the second measurement: a few frames give the part per frame
-        return 1 + int((seconds - self.fixed_s) / max(self.per_frame_s, 1e-6))
-
-
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
                  prefill_chunk_frames: int = 64, metrics=None):
@@ -135,10 +109,8 @@ class ConversationClock:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="talker-compute")
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        # Measured costs (EMA, seconds), used to decide what still fits in a period.
+        # Measured step time (EMA, seconds), used to decide whether a catch-up step still fits.
         self._step_s = 0.0
-        self._prefill_cost = ChunkCost()
-        self._begin_s = 0.0
         self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
         self._overruns = 0
         self._overrun_logged = float("-inf")
@@ -245,9 +217,9 @@ class ConversationClock:
                 next_deadline = deadline + self.tick_s
                 stepped = await self._tick(next_deadline)
                 if self._prefill_waiting() and loop.time() - self._prefill_progress > 2 * self.tick_s:
-                    # Overloaded: no spare time in two periods. Prefill anyway (one bounded piece)
-                    # rather than starve a new session; this makes the next tick a little late.
-                    await self._prefill_once(self.tick_s / 2, force=True)
+                    # No step to ride for two periods (live sessions without input): prefill in
+                    # the idle time rather than starve a new session.
+                    await self._prefill_idle()
                 if self.metrics and stepped:
                     self.metrics.tick_duration.observe(loop.time() - started)
                 self.ticks += 1
@@ -269,13 +241,14 @@ class ConversationClock:
                 deadline = loop.time() + self.tick_s
 
     async def _idle_until(self, deadline: float) -> None:
-        """Until `deadline`: run prefill work that fits, otherwise sleep (woken by new work)."""
+        """Until `deadline`: sleep (woken by new work); with no live session, whose tick a chunk
+        could make late, prefill in whole chunks meanwhile."""
         loop = asyncio.get_running_loop()
         while True:
             left = deadline - loop.time()
             if left <= 0:
                 return
-            if await self._prefill_once(left):
+            if not any(s.live for s in self.sessions.values()) and await self._prefill_idle():
                 continue
             self._wake.clear()
             try:
@@ -315,10 +288,12 @@ class ConversationClock:
             s.stepping = True
             taken.append((s, seq))
         slots = [s.slot for s, _ in taken]
+        rider = None if catch_up else self._prefill_candidate()
+        piece = (rider.job, self._begin_args(rider)) if rider is not None else None
         self.pool.pin(slots)
         t0 = time.perf_counter()
         try:
-            result = await self.compute(self._step_on_compute_thread, codes, active)
+            result, prefilled = await self.compute(self._step_on_compute_thread, codes, active, piece)
         except Exception as e:
             for s, _ in taken:
                 self.fail(s, e)
@@ -328,6 +303,8 @@ class ConversationClock:
             for s, _ in taken:
                 s.stepping = False
         dt = time.perf_counter() - t0
+        if rider is not None:
+            self._after_prefill(rider, *prefilled)
         self._step_s = dt if self.steps == 0 else 0.8 * self._step_s + 0.2 * dt
         self.steps += 1
         if self.metrics:
@@ -345,58 +322,66 @@ class ConversationClock:
                 s.out_seq += 1
             self._maybe_end(s)
 
-    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor):
+    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor, piece):
+        """The step, with a prefill piece (job, begin args) launched behind it (module doc)."""
         r = self.engine.step(codes, active)
-        tokens = r.text_tokens.tolist()
-        has_out = r.has_output.tolist()
+        packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
+        if packed.is_cuda:
+            host = packed.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = packed, None
+        prefilled = self._prefill_piece(*piece) if piece is not None else None
+        if ready is not None:
+            ready.synchronize()  # the step's outputs (not the prefill queued after them)
+        rows = host.tolist()
+        tokens = [row[0] for row in rows]
+        agent = [row[1:-1] for row in rows]
+        has_out = [bool(row[-1]) for row in rows]
         act = active.tolist()
         pieces = [self.engine.text_piece(t) if act[i] and has_out[i] else "" for i, t in enumerate(tokens)]
-        return tokens, r.agent_codes.tolist(), has_out, pieces
+        return (tokens, agent, has_out, pieces), prefilled
 
     # ---- prefill ----------------------------------------------------------------------------
 
     def _prefill_waiting(self) -> bool:
         return any(not s.live and not s.closed and not s.failed for s in self.sessions.values())
 
-    async def _prefill_once(self, time_left: float, force: bool = False) -> bool:
-        """Run one piece of prefill work that fits in `time_left`; False if there is none.
+    def _prefill_candidate(self) -> Session | None:
+        """The oldest session still waiting for its prompt (sessions are kept in arrival order)."""
+        return next((s for s in self.sessions.values() if not s.live and not s.closed and not s.failed), None)
 
-        With no live session there is nothing to make late, so work runs in full chunks.
-        Otherwise a chunk is sized to the time left from the measured cost of a chunk (see
-        ChunkCost: a fixed part plus a part per frame; uncalibrated, a single frame).
-        """
-        s = next((s for s in self.sessions.values() if not s.live and not s.closed and not s.failed), None)
+    @staticmethod
+    def _begin_args(s: Session) -> tuple:
+        return s.slot, s.voice, s.persona, s.sampling
+
+    def _prefill_piece(self, job, begin_args: tuple):
+        """On the compute thread: begin() if the session has no job yet, then one chunk of up to
+        prefill_chunk_frames. Returns (job, done, error); errors are the session's, not the step's."""
+        try:
+            if job is None:
+                job = self.engine.begin(*begin_args)
+            return job, job.done or job.run(self.prefill_chunk_frames), None
+        except Exception as e:  # a refused begin (bad voice, persona, sampling) or a failed chunk
+            return job, False, e
+
+    async def _prefill_idle(self) -> bool:
+        """One prefill piece on its own (no step to ride); False if nobody waits for one."""
+        s = self._prefill_candidate()
         if s is None:
             return False
-        anyone_live = any(x.live for x in self.sessions.values())
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        try:
-            if s.job is None:
-                if anyone_live and self._begin_s > time_left and not force:
-                    return False
-                s.job = await self.compute(self.engine.begin, s.slot, s.voice, s.persona, s.sampling)
-                dt = loop.time() - t0
-                self._begin_s = dt if self._begin_s == 0 else 0.8 * self._begin_s + 0.2 * dt
-                done = s.job.done
-            else:
-                frames = self.prefill_chunk_frames
-                if anyone_live:
-                    frames = min(frames, self._prefill_cost.frames_within(time_left))
-                    if frames < 1:
-                        if not force:
-                            return False
-                        frames = 1
-                frames = min(frames, s.job.total_frames - s.job.frames_done) or 1
-                done = await self.compute(s.job.run, frames)  # runs at most `frames`, fewer at the end
-                self._prefill_cost.observe(frames, loop.time() - t0)
-        except Exception as e:
-            self.fail(s, e)
-            return True
-        self._prefill_progress = loop.time()
-        if done and not s.closed:
-            self._go_live(s)
+        self._after_prefill(s, *await self.compute(self._prefill_piece, s.job, self._begin_args(s)))
         return True
+
+    def _after_prefill(self, s: Session, job, done: bool, error: BaseException | None) -> None:
+        self._prefill_progress = asyncio.get_running_loop().time()
+        if error is not None:
+            self.fail(s, error)
+            return
+        s.job = job
+        if done and not s.closed and not s.failed:
+            self._go_live(s)
 
     def _go_live(self, s: Session) -> None:
         s.live = True
