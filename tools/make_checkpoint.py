@@ -100,7 +100,14 @@ def build_random_checkpoint(preset: str = "tiny", seed: int = 0, device: str | t
     lm_cfg, mimi_cfg = _configs(preset)
     dtype = torch.float32 if preset == "tiny" else torch.bfloat16
     lm = LMModel(lm_cfg, dep_steps=lm_cfg.dep_q, device=device, dtype=dtype).init_random_(seed).eval()
-    mimi = MimiModel(mimi_cfg).init_random_(seed).to(device).eval()
+    # Mimi's codebooks are fitted (k-means) on the CPU, whose float sums depend on torch's thread
+    # count: fit single-threaded so the same seed gives the same bytes in any process.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mimi = MimiModel(mimi_cfg).init_random_(seed).to(device).eval()
+    finally:
+        torch.set_num_threads(threads)
     delays = torch.tensor(lm_cfg.delays, dtype=torch.long)
     initial = prompt.initial_tokens(lm_cfg.text_card, lm_cfg.card)
     voices = {}

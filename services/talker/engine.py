@@ -91,7 +91,7 @@ class _VoicePrefix:
         n = min(budget, self.total - self.done)
         if n <= 0:
             return 0
-        x = self.voice.embeddings[self.done : self.done + n][None].to(self._model.device)
+        x = to_device(self.voice.embeddings[self.done : self.done + n][None], self._model.device)
         self._model.temporal(x, self.kv, self._slot)
         self.done += n
         return n
@@ -137,14 +137,68 @@ class PrefillJob:
         inputs = self._cols.inputs
         if budget > 0 and self._next < inputs.shape[0]:
             n = min(budget, inputs.shape[0] - self._next)
-            x = eng.model.embed(inputs[self._next : self._next + n][None].to(eng.device), check=False)  # ids are ours
-            eng.model.temporal(x, eng.kv, self._slot_t)
+            eng._prefill_chunk(self.slot, self._slot_t, inputs[self._next : self._next + n],
+                               start=self._cols.first + self._next)
             self._next += n
             self.frames_done += n
         if self._next >= inputs.shape[0]:
             eng._go_live(self.slot, self._cols)
             self._done = True
         return self._done
+
+
+PREFILL_GRAPH_FRAMES = 64  # the captured prefill chunk: shorter chunks are padded to it
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the GPU: a plain copy to CUDA synchronizes
+    the stream (it would wait for a running step); one from pinned memory is only queued."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class _PrefillGraph:
+    """One prefill chunk of `frames` prompt columns for any slot, as a captured CUDA graph.
+
+    Inputs are static buffers: the tokens (a shorter chunk is padded with -1, which embeds to
+    zero) and the slot index. The padded positions past the chunk are written into the ring
+    too; they lie beyond what the slot has written (its length is set back to start + n
+    afterwards), so attention never reads them before a later frame overwrites them. The
+    caller keeps start + frames within the ring, so the padding never overwrites a real entry.
+    """
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, tokens: torch.Tensor, slot: torch.Tensor, frames: int):
+        self.graph, self.tokens, self.slot, self.frames = graph, tokens, slot, frames
+
+    @classmethod
+    def capture(cls, eng: "TalkerEngine", frames: int) -> "_PrefillGraph":
+        dev = eng.device
+        tokens = torch.full((1, frames, eng.cfg.num_streams), -1, dtype=torch.long, device=dev)
+        slot = eng.kv.slot_index(0).clone()
+        eng.kv.trust(slot)  # its value is only ever set from a checked host slot (run below)
+
+        def forward() -> None:
+            eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            forward()  # warm-up outside the capture (lazy inits); writes slot 0, reset by the caller
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        log.info("captured a prefill chunk of %d frames as a CUDA graph", frames)
+        return cls(graph, tokens, slot, frames)
+
+    def run(self, eng: "TalkerEngine", slot: int, slot_t: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        n = tokens.shape[0]
+        self.tokens.fill_(-1)
+        self.tokens[0, :n].copy_(to_device(tokens, eng.device))
+        self.slot.copy_(slot_t)
+        self.graph.replay()
+        eng.kv.length[slot] = start + n  # not start + frames: the padding is not part of the prompt
 
 
 class TalkerEngine:
@@ -201,6 +255,10 @@ class TalkerEngine:
         # wider top-k (or none, 0) is refused at begin(); the defaults (25 / 250) are well inside.
         self.graph_top_k = (min(GRAPH_TEXT_TOP_K, self.text_card), self.card) if cuda_graph else None
         self._graphs: dict[tuple[int, int], tuple] = {}  # (text max_k, audio max_k) -> graph, inputs, outputs
+        # With cuda_graph, a prefill chunk too is one graph replay (captured by warmup): eagerly it is
+        # a few thousand kernel launches, tens of ms of host time that would stretch the tick it rides.
+        self.prefill_graph_frames = PREFILL_GRAPH_FRAMES
+        self._prefill_graph: _PrefillGraph | None = None
         self._voice_kv: dict[str, _VoicePrefix] = {}
 
     @classmethod
@@ -378,6 +436,17 @@ class TalkerEngine:
             return RowParams(p.greedy, p.temperature, top_k, self.graph_top_k[0 if vocab == self.text_card else 1])
         return RowParams(p.greedy, p.temperature, top_k, self._max_k(host_k, vocab))
 
+    def _prefill_chunk(self, slot: int, slot_t: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        """Run prompt columns `tokens` (host LongTensor [n, 17]) into `slot` at positions start..
+        start+n-1: a replay of the captured prefill graph when it applies, else eagerly. No host
+        sync either way, so it queues behind a step still running on the GPU."""
+        n, g = tokens.shape[0], self._prefill_graph
+        if g is not None and n <= g.frames and start + g.frames <= self.context:
+            g.run(self, slot, slot_t, tokens, start)
+            return
+        x = self.model.embed(to_device(tokens[None], self.device), check=False)  # ids are ours: no range check
+        self.model.temporal(x, self.kv, slot_t)
+
     def warmup(self, voices: tuple[str, ...] = ()) -> None:
         """Run what a first session would, before any session: one short prompt prefill in slot 0
         (released again), the KV prefix of each voice in `voices` (so no session waits for it) and,
@@ -398,6 +467,9 @@ class TalkerEngine:
         if self.cuda_graph and self.graph_top_k not in self._graphs:
             S = self.num_slots
             self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool))
+        if self.cuda_graph and self._prefill_graph is None:
+            self._prefill_graph = _PrefillGraph.capture(self, min(self.prefill_graph_frames, self.context))
+            self.kv.reset(0)  # the capture's warm-up run wrote slot 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -429,7 +501,7 @@ class TalkerEngine:
 
     def _go_live(self, slot: int, cols: prompt.PromptColumns) -> None:
         """Prefill finished: the token history after the prompt; the first live step reads column F-1."""
-        self.hist[slot] = cols.ring.to(self.device)
+        self.hist[slot] = to_device(cols.ring, self.device)
         self.offset[slot] = cols.frames - 1
         self.start[slot] = cols.frames
         self._live[slot] = True

@@ -36,6 +36,7 @@ class KVCache:
         # a step over every slot, e.g. under a CUDA graph.
         self.all_slots = torch.arange(slots, device=device)
         self._slot_index: dict[int, torch.Tensor] = {}  # slot -> LongTensor [slot] (see slot_index)
+        self._trusted: list[torch.Tensor] = []  # see trust()
 
     @property
     def slots(self) -> int:
@@ -110,13 +111,18 @@ class KVCache:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
             raise IndexError(f"slot {slot!r} is out of range for a cache of {self.slots} slots")
         if slot not in self._slot_index:
-            self._slot_index[slot] = torch.tensor([slot], dtype=torch.long, device=self.device)
+            self._slot_index[slot] = self.all_slots[slot : slot + 1]  # a view: no host-to-device copy
         return self._slot_index[slot]
+
+    def trust(self, slots: torch.Tensor) -> None:
+        """Let check_slots pass this very tensor without its host syncs (e.g. a CUDA graph's static
+        slot input); the caller guarantees it only ever holds valid, distinct slots."""
+        self._trusted.append(slots)
 
     def check_slots(self, slots: torch.Tensor) -> None:
         """Rows of one call must name distinct, existing slots (a duplicate would race its own writes)."""
-        if slots is self.all_slots or any(slots is t for t in self._slot_index.values()):  # identity: made here
-            return
+        if slots is self.all_slots or any(slots is t for t in (*self._slot_index.values(), *self._trusted)):
+            return  # identity: made or vouched for here
         if slots.dim() != 1 or slots.dtype != torch.long:
             raise ValueError(f"slots must be a 1-D LongTensor, got {tuple(slots.shape)} {slots.dtype}")
         if slots.numel() == 0:

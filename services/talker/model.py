@@ -263,13 +263,16 @@ class LMModel(nn.Module):
         for name, shape in self.published_shapes(self.cfg).items():
             if name not in own:
                 continue
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            # On a GPU the draws come from the GPU's generator: seconds instead of the minutes 7B CPU
+            # draws take. Same seed, same bytes on that kind of device (not the CPU's bytes).
+            dev = own[name].device if own[name].device.type == "cuda" else torch.device("cpu")
+            gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             if name.endswith("alpha"):
-                full = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+                full = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=dev)
             else:
                 # embeddings unit-scaled, matrices scaled by fan-in (like moshi's init)
                 std = 1.0 if "emb" in name else shape[-1] ** -0.5
-                full = torch.randn(shape, generator=gen) * std
+                full = torch.randn(shape, generator=gen, device=dev) * std
             own[name].copy_(full[: own[name].shape[0]])
         return self
 
