@@ -51,6 +51,18 @@ def test_fp8_ring_reset_copy_and_isolation():
     assert float(kv.k_scale[:, 0].float().abs().sum()) > 0  # other slots untouched
 
 
+def test_zero_and_tiny_vectors_quantize_to_finite_values():
+    """An all-zero key (a padded prefill frame's, in layer 0) once got a scale that underflowed
+    fp16 to 0, and 0 / 0 put NaN in the ring, which masked attention then spread."""
+    x = torch.zeros(3, 4, 128)
+    x[1] = 1e-7
+    x[2] = torch.randn(4, 128, generator=torch.Generator().manual_seed(0)) * 1e-3
+    q, scale = quantize_fp8(x)
+    back = dequantize_fp8(q, scale, torch.float32)
+    assert torch.isfinite(back).all() and not back[0].any()
+    assert float((back[2] - x[2]).norm() / x[2].norm()) < 0.05  # small vectors keep their precision
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_a_short_unwrapped_ring_copies_into_a_longer_one(fp8):
     model = LMModel(TINY, dep_steps=8).init_random_(1)

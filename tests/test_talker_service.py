@@ -493,6 +493,33 @@ def test_config_env_then_flags_and_bad_values():
         TalkerConfig.load(["--checkpoint", "/x"], env={"TALKER_SLOTS": "many"})
 
 
+async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_checkpoint):
+    """With no time left in the period (a step longer than half of it), a session 2+ frames behind
+    still gets one catch-up step per tick, so its backlog shrinks instead of staying for good;
+    one frame behind, it waits for the next tick."""
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.scheduler import ConversationClock
+
+    eng = engine(tiny_checkpoint, "served")
+    pool = SlotPool(SLOTS)
+    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25)
+    loop = asyncio.get_running_loop()
+    try:
+        sess = clock.open("late", pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+        assert await clock._prefill_idle() and sess.live
+        for i, f in enumerate(user_frames(4, 5)):
+            clock.push(sess, i, f)
+        assert await clock._tick(loop.time()) == 2 and len(sess.inputs) == 2  # 3 behind: main + one catch-up
+        assert await clock._tick(loop.time()) == 1 and len(sess.inputs) == 1  # 1 behind: the next tick's
+        assert await clock._tick(loop.time()) == 1 and len(sess.inputs) == 0
+        assert await clock._tick(loop.time() + 10) == 0  # nothing queued: no step at all
+    finally:
+        for s in list(clock.sessions.values()):
+            clock.close(s)
+        await clock.stop()
+
+
 async def test_prefill_rides_behind_the_step_and_only_fails_its_own_session(tiny_checkpoint):
     """With a session live, a new session's prompt is run behind the main step (begin + a whole
     chunk, oldest first), not in idle time; it then talks exactly like a session run alone. A

@@ -29,10 +29,16 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_DTYPE = torch.float16
 
 
+# The smallest scale: fp16's smallest normal. A smaller one would round to 0 in fp16 (an all-zero
+# vector's would), and 0 / 0 is a NaN in the ring. e4m3 is floating point, so a scale larger than
+# a tiny vector needs costs it no relative precision down to e4m3's subnormals.
+MIN_SCALE = torch.finfo(SCALE_DTYPE).tiny
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (fp8 [..., D], scale [...]) with x ~= fp8 * scale, one scale per vector."""
-    amax = x.detach().abs().amax(dim=-1).float().clamp(min=1e-6)
-    scale = (amax / FP8_MAX).to(SCALE_DTYPE)
+    amax = x.detach().abs().amax(dim=-1).float()
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE).to(SCALE_DTYPE)
     q = (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

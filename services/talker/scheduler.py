@@ -44,6 +44,8 @@ from services.common.slots import SlotPool
 
 log = logging.getLogger("talker.clock")
 
+LAG_FRAMES = 2  # queued frames after the main step from which a tick catches up past its deadline
+
 
 class BacklogFull(ResourceExhausted):
     """A session queued more input than the backlog bound: the client is too far ahead of the clock."""
@@ -267,11 +269,19 @@ class ConversationClock:
             return 0
         await self._step(batch, catch_up=False)
         steps = 1
-        # Catch-up: sessions that still have queued frames (a late client, a burst) get more
-        # batched steps while the measured step time fits in the period.
+        # Catch-up: sessions that still have queued frames (a late client, a burst, a late tick)
+        # get more batched steps while the measured step time fits in the period. When a step
+        # takes more than half the period none would ever fit, and every late tick would leave
+        # its sessions a frame further behind for good: so a session LAG_FRAMES or more behind
+        # gets one catch-up step per tick even past the deadline (the next tick starts that
+        # much late, and the backlog shrinks by a frame per tick instead of never).
         while True:
             behind = [s for s in self.sessions.values() if s.live and s.inputs]
-            if not behind or loop.time() + self._step_s > period_end:
+            if not behind:
+                return steps
+            fits = loop.time() + self._step_s <= period_end
+            lagging = steps == 1 and max(len(s.inputs) for s in behind) >= LAG_FRAMES
+            if not (fits or lagging):
                 return steps
             await self._step(behind, catch_up=True)
             steps += 1

@@ -26,6 +26,7 @@ back only after its last engine work finished (scheduler.ConversationClock.close
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 import time
@@ -255,6 +256,10 @@ class TalkerService:
             raise ValueError(f"talker config: preload_voices: {e}") from None
         log.info("engine warmed up in %.1f s%s", time.perf_counter() - t1,
                  f" (voices preloaded: {', '.join(voices)})" if voices else "")
+        # Everything alive now (the model, the engine's buffers) lives as long as the process:
+        # out of the collector's sight, a full collection mid-conversation has less to walk.
+        gc.collect()
+        gc.freeze()
         servicer = TalkerServicer(runtime, self.clock, paths, cfg,
                                   text_card=getattr(self.engine, "text_card", 32000),
                                   card=getattr(self.engine, "card", CARD))
