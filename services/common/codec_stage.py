@@ -35,7 +35,7 @@ import grpc
 import torch
 
 from services.common.errors import Internal, InvalidArgument, StageError
-from services.common.stage_server import StageRpcs, StageRuntime, StageServer
+from services.common.stage_server import StageRpcs, StageRuntime, StageServer, freeze_startup_heap
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x[slots,...], active[slots]) -> out[slots,...]
 
@@ -346,7 +346,9 @@ class CodecService:
         await self.batcher.stop()
 
     async def serve_until_signal(self) -> None:
+        """The process's life: start, serve until SIGTERM/SIGINT (then drain), stop."""
         await self.start()
+        freeze_startup_heap()
         try:
             await self.server.serve_until_signal()
         finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -47,6 +48,15 @@ FRAME_MS = 80
 # process is alive and must not be restarted; "" and the stage's own name go NOT_SERVING).
 LIVENESS = "liveness"
 MAX_STREAM_ID = 128
+
+
+def freeze_startup_heap() -> None:
+    """For a service process once it is ready: what is alive now (models, buffers, the server)
+    lives as long as the process, so take it out of the cyclic collector's sight. A full
+    collection mid-conversation then walks only what the conversations allocate: shorter pauses
+    of the thread that runs the clock."""
+    gc.collect()
+    gc.freeze()
 
 
 def validate_stream_id(stream_id: str) -> None:

@@ -26,7 +26,6 @@ back only after its last engine work finished (scheduler.ConversationClock.close
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import secrets
 import time
@@ -36,7 +35,7 @@ import grpc
 from duplex.v1 import talker_pb2, talker_pb2_grpc
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.errors import Internal, InvalidArgument, StageError, Unavailable
-from services.common.stage_server import StageRpcs, StageRuntime, StageServer, validate_stream_id
+from services.common.stage_server import StageRpcs, StageRuntime, StageServer, freeze_startup_heap, validate_stream_id
 from services.talker.config import TalkerConfig
 from services.talker.metrics import TalkerMetrics
 from services.talker.scheduler import END, ConversationClock, Output, Ready, Session
@@ -256,10 +255,6 @@ class TalkerService:
             raise ValueError(f"talker config: preload_voices: {e}") from None
         log.info("engine warmed up in %.1f s%s", time.perf_counter() - t1,
                  f" (voices preloaded: {', '.join(voices)})" if voices else "")
-        # Everything alive now (the model, the engine's buffers) lives as long as the process:
-        # out of the collector's sight, a full collection mid-conversation has less to walk.
-        gc.collect()
-        gc.freeze()
         servicer = TalkerServicer(runtime, self.clock, paths, cfg,
                                   text_card=getattr(self.engine, "text_card", 32000),
                                   card=getattr(self.engine, "card", CARD))
@@ -287,6 +282,8 @@ class TalkerService:
             await self.clock.stop()
 
     async def serve_until_signal(self) -> None:
+        """The process's life after start(): serve until SIGTERM/SIGINT (then drain), stop the clock."""
+        freeze_startup_heap()
         try:
             await self.server.serve_until_signal()
         finally:
