@@ -35,7 +35,9 @@ class TalkerConfig:
     tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
-    prefill_chunk_frames: int = 64  # most prompt frames one prefill chunk runs between ticks
+    # Most prompt frames one prefill chunk runs (behind a step); with cuda_graph also the length
+    # of the captured chunk (shorter ones are padded to it).
+    prefill_chunk_frames: int = 64
     # Voices (comma-separated basenames, e.g. "NATF2.pt,NATM1.pt") whose KV prefix is computed at
     # start instead of by the first session that asks for one. Each costs its frames of KV (about
     # 0.27 MB per frame at full size, fp8) for the life of the process.

@@ -141,7 +141,7 @@ class ConversationClock:
     # ---- sessions (called by the servicer) ----------------------------------------------------
 
     def open(self, stream_id: str, slot: int, voice: str | None, persona: str, sampling, seed: int) -> Session:
-        """Register a session on an acquired slot; its prefill runs in the clock's spare time.
+        """Register a session on an acquired slot; its prefill rides behind the next main steps.
 
         Its outbox gets Ready when the prompt sits in the slot, or the engine's typed
         error (InvalidVoice, InvalidPersona, InvalidSampling) if begin() refuses it.

@@ -5,7 +5,7 @@ One Talk stream = one session:
     client                                  server
     open(stream_id, voice, persona, sampling) ─▶ validate all (INVALID_ARGUMENT), take a slot
                                                  (RESOURCE_EXHAUSTED / ALREADY_EXISTS / UNAVAILABLE),
-                                                 prefill the prompt on the clock's spare time
+                                                 prefill the prompt behind the clock's steps
                                             ◀─ ready(slot, prefill_frames, prefill_ms, delay, seed)
     frame(seq, 8 codes) every 80 ms        ─▶ seq-checked, range-checked, queued on the clock
                                             ◀─ output(seq, input_seq, text, 8 agent codes) per step
@@ -248,6 +248,7 @@ class TalkerService:
         # allocations (cuBLAS handle and workspace are per thread) happen now, not on a live tick,
         # and a GPU too full for them fails the start instead of the first session.
         t1 = time.perf_counter()
+        self.engine.prefill_graph_frames = cfg.prefill_chunk_frames  # the chunk the graph is captured for
         voices = cfg.voices_to_preload
         try:
             await self.clock.compute(lambda: self.engine.warmup(voices))
