@@ -109,12 +109,12 @@ def kv_bytes_per_position(cfg: LMConfig, fp8: bool) -> float:
     return 2 * cfg.num_layers * cfg.num_heads * per_vec
 
 
-def bench_ours(model: LMModel, tok: TextTokenizer, B: int, steps: int, kv_format: str) -> dict:
+def full_context_step(model: LMModel, tok: TextTokenizer, B: int, kv_fp8: bool, cuda_graph: bool):
+    """An engine with every one of B slots live at full context, and a function that runs one
+    step of all of them on random user codes. Returns (engine, step)."""
     cfg = model.cfg
-    cuda = model.device.type == "cuda"
-    engine = TalkerEngine(model, tok, slots=B, kv_fp8=kv_format == "fp8", cuda_graph=cuda)
-    # Every slot live at full context. The ring's contents do not change the cost, its valid
-    # length does: mark every position written.
+    engine = TalkerEngine(model, tok, slots=B, kv_fp8=kv_fp8, cuda_graph=cuda_graph)
+    # The ring's contents do not change the cost, its valid length does: mark every position written.
     for s in range(B):
         engine.begin(s, None, None, SamplingParams(seed=s + 1)).run(0)
     engine.kv.length.fill_(cfg.context)
@@ -123,8 +123,14 @@ def bench_ours(model: LMModel, tok: TextTokenizer, B: int, steps: int, kv_format
     active = torch.ones(B, dtype=torch.bool)
 
     def one():
-        codes = torch.randint(0, cfg.card, (B, AGENT_CODEBOOKS), generator=g)
-        engine.step(codes, active)
+        engine.step(torch.randint(0, cfg.card, (B, AGENT_CODEBOOKS), generator=g), active)
+
+    return engine, one
+
+
+def bench_ours(model: LMModel, tok: TextTokenizer, B: int, steps: int, kv_format: str) -> dict:
+    cuda = model.device.type == "cuda"
+    engine, one = full_context_step(model, tok, B, kv_fp8=kv_format == "fp8", cuda_graph=cuda)
 
     timed(one, 5)
     ms = timed(one, steps)

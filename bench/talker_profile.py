@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from bench.talker import random_model, timed
+from bench.talker import full_context_step, random_model, timed
 from services.common.text import TextTokenizer
-from services.talker.engine import AGENT_CODEBOOKS, SamplingParams, TalkerEngine
+from services.talker.engine import AGENT_CODEBOOKS
 from services.talker.model import LMConfig
 
 KINDS = (  # first match wins; the names are those of the CUDA kernels torch and Triton launch
@@ -43,20 +43,9 @@ def kind_of(name: str) -> str:
 
 
 def profile_batch(model, tok, B: int, steps: int) -> dict:
-    cfg = model.cfg
     row: dict = {"batch": B}
     for graphed in (True, False):
-        engine = TalkerEngine(model, tok, slots=B, kv_fp8=True, cuda_graph=graphed)
-        for s in range(B):
-            engine.begin(s, None, None, SamplingParams(seed=s + 1)).run(0)
-        engine.kv.length.fill_(cfg.context)
-        engine.offset.fill_(cfg.context)
-        g = torch.Generator().manual_seed(0)
-        active = torch.ones(B, dtype=torch.bool)
-
-        def one():
-            engine.step(torch.randint(0, cfg.card, (B, AGENT_CODEBOOKS), generator=g), active)
-
+        engine, one = full_context_step(model, tok, B, kv_fp8=True, cuda_graph=graphed)
         timed(one, 5)
         ms = sorted(timed(one, 20))
         row["graphed_ms" if graphed else "eager_ms"] = round(ms[len(ms) // 2], 3)
