@@ -60,6 +60,9 @@ DEFINITIONS = {
             "(mean frames in flight grows less than backlog_growth_frames over the run)",
     "backlog_frames": "mean over sessions of input frames sent that owe an output minus outputs received",
     "client_send_lateness_ms": "how late a load process sent a frame against its session's absolute schedule",
+    "gc_full_collections": "per stage: the process's full (generation 2) cyclic garbage collections over the run "
+                           "(duplex_stage_gc_pause_seconds); stage_timeline's <stage>_gc_ms: all collections' time "
+                           "per interval, to set against the tick spikes",
     "sessions": "N: steady_sessions (open together before the shared start, then the whole schedule; every "
                 "client-side figure and check except probes_ok is about them) + probe_slots (see probes)",
     "probes": "probe_slots sessions that open, talk for probe_cycle_s and close gracefully, then reopen at once, "
@@ -88,7 +91,9 @@ def _ms(x: float) -> float | None:
 def _stage_block(before: dict, after: dict, stage: str) -> dict:
     step = histogram_delta(before, after, "duplex_stage_step_seconds", stage=stage)
     batch = histogram_delta(before, after, "duplex_stage_batch_size", stage=stage)
+    gc_full = histogram_delta(before, after, "duplex_stage_gc_pause_seconds", stage=stage, generation="2")
     return {"step_ms": histogram_summary_ms(step), "batch_mean": None if batch.count == 0 else round(batch.mean, 2),
+            "gc_full_collections": histogram_summary_ms(gc_full) | {"total_ms": round(gc_full.sum * 1000.0, 1)},
             "frames_in": int(counter_delta(before, after, "duplex_stage_frames_in", stage=stage)),
             "frames_out": int(counter_delta(before, after, "duplex_stage_frames_out", stage=stage)),
             "errors": counter_by_label(before, after, "duplex_stage_errors", "kind", stage=stage)}
@@ -120,6 +125,9 @@ def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:
         for s in STAGES:
             if a.get(s) is not None and b.get(s) is not None:
                 row[f"{s}_step_p99_ms"] = _ms(bucket_quantile(histogram_delta(a[s], b[s], "duplex_stage_step_seconds", stage=s), 0.99))
+                gc_pause = histogram_delta(a[s], b[s], "duplex_stage_gc_pause_seconds", stage=s).sum
+                if gc_pause:  # time the stage's process stood still collecting garbage in this interval
+                    row[f"{s}_gc_ms"] = round(gc_pause * 1000.0, 2)
         rows.append(row)
     return rows
 

@@ -279,6 +279,9 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
         assert block["step_ms"]["count"] > 0, stage
         assert 0 < block["step_ms"]["p50"] <= block["step_ms"]["p99"], stage
         assert block["errors"] == {}, stage
+        assert block["gc_full_collections"]["count"] >= 0, stage
+    # each service process times its garbage collections (young ones happen within seconds of traffic)
+    assert any("talker_gc_ms" in row for row in run["stage_timeline"])
     # Time to first audio at full load: the probe slot opened, talked and closed, beside the steady session.
     probes = run["probes"]
     assert run["checks"]["probes_ok"] and probes["errors"] == [] and probes["errors_total"] == 0

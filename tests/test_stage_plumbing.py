@@ -402,3 +402,22 @@ async def test_failed_step_ends_its_streams_with_internal_and_service_goes_on(to
     frames = frames_for(2, 9)
     assert await run_stream(stub, "next", frames) == expected_codes(frames)
     assert service.runtime.pool.free_count == 4
+
+
+def test_gc_pauses_are_timed_per_generation():
+    import gc
+
+    from prometheus_client import generate_latest
+
+    from services.common.metrics import StageMetrics
+
+    m = StageMetrics("talker")
+    hook = m.track_gc()
+    try:
+        gc.collect()  # a full collection: generation 2
+    finally:
+        gc.callbacks.remove(hook)
+    text = generate_latest(m.registry).decode()
+    line = next(x for x in text.splitlines()
+                if x.startswith('duplex_stage_gc_pause_seconds_count{generation="2",stage="talker"}'))
+    assert float(line.split()[-1]) >= 1

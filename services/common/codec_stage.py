@@ -349,6 +349,7 @@ class CodecService:
         """The process's life: start, serve until SIGTERM/SIGINT (then drain), stop."""
         await self.start()
         freeze_startup_heap()
+        self.runtime.metrics.track_gc()
         try:
             await self.server.serve_until_signal()
         finally:

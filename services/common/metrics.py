@@ -21,6 +21,10 @@ and, once a CUDA stage calls `track_gpu(device)` (absent on CPU), read at scrape
 
 A scrape never initializes CUDA (NaN until the process has) and never raises (NaN on any error).
 
+and, in a service process (its entry point calls `track_gc()`):
+
+    duplex_stage_gc_pause_seconds{stage,generation}  histogram: one cyclic garbage collection
+
 Each StageMetrics owns its own CollectorRegistry (several services can live in
 one test process without name clashes); `serve_http` exposes it at /metrics.
 A service adds its own metrics with `registry=metrics.registry`.
@@ -28,7 +32,9 @@ A service adds its own metrics with `registry=metrics.registry`.
 
 from __future__ import annotations
 
+import gc
 import math
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -37,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.030, 0.040, 0.050, 0.060, 0.070, 0.080,
                 0.100, 0.150, 0.250, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.010, 0.020, 0.050, 0.100, 0.250, 1.0)
 
 
 class StageMetrics:
@@ -89,6 +96,24 @@ class StageMetrics:
         for gauge, read in zip(self._gpu_gauges, readers):
             gauge.labels(self.stage).set_function(_cuda_reading(read))
         return True
+
+    def track_gc(self) -> Callable:
+        """Time every cyclic garbage collection of this process into
+        duplex_stage_gc_pause_seconds{stage,generation}: the thread that triggers one stands still
+        meanwhile, so a long one is a late step. gc.callbacks is process-wide: call this once per
+        process, from its entry point (not from services sharing a test process)."""
+        hist = Histogram("duplex_stage_gc_pause_seconds", "Wall time of one cyclic garbage collection",
+                         ["stage", "generation"], buckets=GC_BUCKETS, registry=self.registry)
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict) -> None:  # runs under the GIL; collections never nest
+            if phase == "start":
+                started[:] = [time.perf_counter()]
+            elif started:
+                hist.labels(self.stage, str(info.get("generation"))).observe(time.perf_counter() - started.pop())
+
+        gc.callbacks.append(on_gc)
+        return on_gc  # gc.callbacks.remove(it) stops the timing
 
     def observe_step(self, seconds: float, batch: int) -> None:
         self.step_seconds.observe(seconds)

@@ -116,6 +116,9 @@ class ConversationClock:
         self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
         self._overruns = 0
         self._overrun_logged = float("-inf")
+        self._slow_ticks = 0
+        self._slow_logged = float("-inf")
+        self._rode = False  # whether the last main step carried a prefill piece
         self.ticks = 0
         self.steps = 0  # batched engine steps, main + catch-up
 
@@ -222,8 +225,11 @@ class ConversationClock:
                     # No step to ride for two periods (live sessions without input): prefill in
                     # the idle time rather than starve a new session.
                     await self._prefill_idle()
+                took = loop.time() - started
                 if self.metrics and stepped:
-                    self.metrics.tick_duration.observe(loop.time() - started)
+                    self.metrics.tick_duration.observe(took)
+                if stepped and took > self.tick_s:
+                    self._note_slow_tick(took, stepped)
                 self.ticks += 1
                 deadline = next_deadline
                 if loop.time() > deadline + self.tick_s:
@@ -241,6 +247,17 @@ class ConversationClock:
                 # A failed step is a bug or a device error: fail the sessions in the batch, keep ticking.
                 log.exception("clock tick failed")
                 deadline = loop.time() + self.tick_s
+
+    def _note_slow_tick(self, took: float, steps: int) -> None:
+        """A tick longer than the period: say what it held (at most one line per 10 s, with a count)."""
+        self._slow_ticks += 1
+        now = time.monotonic()
+        if now - self._slow_logged < 10.0:
+            return
+        log.warning("slow tick: %.1f ms for %d step(s) (step EMA %.1f ms, prefill rode: %s, %d live sessions); "
+                    "%d slow tick(s) since the last report", took * 1e3, steps, self._step_s * 1e3,
+                    self._rode, sum(s.live for s in self.sessions.values()), self._slow_ticks)
+        self._slow_ticks, self._slow_logged = 0, now
 
     async def _idle_until(self, deadline: float) -> None:
         """Until `deadline`: sleep (woken by new work); with no live session, whose tick a chunk
@@ -299,6 +316,8 @@ class ConversationClock:
             taken.append((s, seq))
         slots = [s.slot for s, _ in taken]
         rider = None if catch_up else self._prefill_candidate()
+        if not catch_up:
+            self._rode = rider is not None
         piece = (rider.job, self._begin_args(rider)) if rider is not None else None
         self.pool.pin(slots)
         t0 = time.perf_counter()

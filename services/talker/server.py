@@ -285,6 +285,7 @@ class TalkerService:
     async def serve_until_signal(self) -> None:
         """The process's life after start(): serve until SIGTERM/SIGINT (then drain), stop the clock."""
         freeze_startup_heap()
+        self.server.runtime.metrics.track_gc()
         try:
             await self.server.serve_until_signal()
         finally:
