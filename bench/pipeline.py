@@ -80,6 +80,11 @@ class BenchConfig:
     keep_checkpoint: bool = False
     voice: str = "NATF2.pt"
     persona: str = "You are a helpful assistant."
+    # Every session attends over a full ring (3000 frames) from its first frame (talker
+    # --bench-full-context): the target's steady state without talking 4 minutes first; what the
+    # model says is then meaningless, which this benchmark does not read.
+    full_context: bool = False
+    no_compile: bool = False  # the talker without torch.compile'd elementwise kernels (A/B)
     talker_args: str = ""  # extra talker flags, e.g. "--max-backlog-s 3"
     codec_args: str = ""  # extra encoder/decoder flags
     window_s: float = 10.0  # output-rate windows
@@ -282,9 +287,13 @@ def gpu_state() -> dict | None:
 def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, list[str]]:
     common = ["--checkpoint", str(checkpoint), "--slots", str(slots), "--device", cfg.device]
     # The GPU deployment's talker (k8s/overlays/gpu): fp8 KV ring and temporal weights, the step as
-    # one CUDA graph, and the sessions' voice prefilled at start.
+    # one CUDA graph with its elementwise chains compiled, and the sessions' voice prefilled at start.
     talker = (["--kv-fp8", "true", "--weights-fp8", "true", "--cuda-graph", "true"] if cfg.cuda else ["--threads", "1"])
+    if cfg.cuda and not cfg.no_compile:
+        talker += ["--compile", "true"]
     talker += ["--preload-voices", cfg.voice]
+    if cfg.full_context:
+        talker += ["--bench-full-context", "true"]
     codec = ["--threads", "1"] + (["--cuda-graph", "true"] if cfg.cuda else [])
     return {"encoder": common + codec + shlex.split(cfg.codec_args),
             "talker": common + talker + shlex.split(cfg.talker_args),

@@ -32,6 +32,7 @@ import torch
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
 from services.common.text import TextTokenizer  # noqa: E402
+from services.talker import fused  # noqa: E402
 from services.talker.engine import AGENT_CODEBOOKS, SamplingParams, TalkerEngine  # noqa: E402
 from services.talker.model import LMConfig, LMModel  # noqa: E402
 
@@ -97,7 +98,7 @@ def weights_bytes(model: LMModel, dep_steps: int) -> int:
     """Bytes of weights one frame reads: everything resident except the embedding tables
     (a frame reads 17 rows of them) — the temporal layers, text_linear, the depformer."""
     total = 0
-    for name, p in model.named_parameters():
+    for name, p in (*model.named_parameters(), *model.named_buffers()):  # fp8 matrices are buffers
         if "emb" in name:
             continue
         total += p.numel() * p.element_size()
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tokenizer", default=None, help="a SentencePiece model (default: the tiny checkpoint's)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script, measures nothing real")
+    ap.add_argument("--weights-fp8", action="store_true", help="ours with the temporal matrices in fp8 (the serving config)")
+    ap.add_argument("--compile", action="store_true", help="ours with torch.compile'd elementwise kernels (the serving config)")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("bench.talker needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -241,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     model = random_model(cfg, dep_steps=AGENT_CODEBOOKS, device=device)
+    if args.weights_fp8:
+        model.quantize_weights_fp8_()
+    if args.compile and not args.smoke:
+        fused.enable()  # after the reference: it is moshi's code, never ours
     w_bytes = weights_bytes(model, AGENT_CODEBOOKS)
     kv_pos = kv_bytes_per_position(cfg, args.kv == "fp8")
     batches = [int(b) for b in args.batches.split(",") if b] + [int(b) for b in args.extra_batches.split(",") if b]
@@ -278,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{f('floor_ms', 7)} {ratio} {vs} {f('ours_peak_mem_gb', 7)}")
     result = {
         "gpu": "smoke (cpu)" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "kv": args.kv,
+        "weights_fp8": args.weights_fp8, "compile": args.compile and not args.smoke,
         "context": cfg.context, "steps_per_point": args.steps, "copy_bandwidth_tbs": bw / 1e12,
         "weights_read_gb": w_bytes / GB, "kv_bytes_per_position": kv_pos, "largest_batch_that_fits": largest,
         "rows": table,

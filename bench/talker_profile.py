@@ -1,6 +1,6 @@
 """Where the talker's frame time goes on the GPU: a kernel-level profile of the step.
 
-    python -m bench.talker_profile [--batches 1,160] [--out DIR]
+    python -m bench.talker_profile --tokenizer T [--batches 1,160] [--weights-fp8] [--compile] [--out DIR]
 
 Full-size random weights (bf16) on the GPU, fp8 KV, every slot at full context, like
 bench/talker.py. For each batch size: the graphed step's wall time, then a few eager steps under
@@ -23,6 +23,7 @@ import torch
 
 from bench.talker import full_context_step, random_model, timed
 from services.common.text import TextTokenizer
+from services.talker import decode_attention, fused
 from services.talker.engine import AGENT_CODEBOOKS
 from services.talker.model import LMConfig
 
@@ -91,11 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="eager steps under the profiler")
     ap.add_argument("--tokenizer", required=True, help="a SentencePiece model")
     ap.add_argument("--weights-fp8", action="store_true", help="the temporal matrices in fp8 (the serving config)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile'd elementwise kernels (services/talker/fused.py)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.talker_profile needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.compile:
+        fused.enable()
     t0 = time.perf_counter()
     model = random_model(LMConfig.full(), dep_steps=AGENT_CODEBOOKS)
     if args.weights_fp8:
@@ -108,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print_row(rows[-1])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "talker_profile_fp8w.json" if args.weights_fp8 else "talker_profile.json"
+    name = "talker_profile" + ("_fp8w" if args.weights_fp8 else "") + ("_compiled" if args.compile else "") + ".json"
     (out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "weights_fp8": args.weights_fp8,
+                                        "compile": args.compile, "attention_kernel": decode_attention.KERNEL,
                                         "rows": rows}, indent=1))
     return 0
 

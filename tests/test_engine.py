@@ -441,3 +441,47 @@ def test_warmup_leaves_no_trace_in_slot_0(paths):
 def test_warmup_refuses_a_voice_the_checkpoint_lacks(paths):
     with pytest.raises(InvalidVoice, match="NOPE"):
         engine(paths, slots=1).warmup(("NOPE.pt",))
+
+
+def test_bench_full_context_makes_every_ring_entry_valid_from_the_first_frame(paths):
+    """The benchmark mode (TalkerConfig.bench_full_context): a session goes live with its length a
+    whole ring further on, so the first live step already attends over `context` entries, the
+    steady state's cost. Ring indices are unchanged, and the slot still steps and stays finite."""
+    eng = engine(paths, slots=2, context=32, kv_fp8=True)
+    eng.bench_full_context = True
+    job = eng.begin(0, None, PERSONA, GREEDY)
+    prefill(job)
+    assert int(eng.kv.length[0]) == job.total_frames + 32 and int(eng.kv.length[1]) == 0
+    assert bool((eng.kv.ring_positions(eng.kv.length[:1] - 1) >= 0).all())  # every index holds a position
+    out = run_session(eng, 0, user_frames(40, seed=3))  # wraps the ring once more
+    assert all(o is not None for o in out[1:])
+    assert int(eng.kv.length[0]) == job.total_frames + 32 + 40
+    assert all(0 <= c < 2048 for _, codes in out[1:] for c in codes)
+
+
+def test_fused_functions_stay_eager_on_the_cpu():
+    """fused.enable() compiles only for CUDA tensors: on the CPU the very eager function runs, and
+    nothing is handed to torch.compile (which would compile C++ on a CI machine)."""
+    from torch._dynamo.utils import counters
+
+    from services.talker import fused
+    from services.talker.layers import rms_norm
+
+    x, alpha = torch.randn(3, 1, 16), torch.rand(1, 1, 16)
+    before = sum(counters["stats"].values())
+    fused.enable()
+    try:
+        assert fused.enabled()
+        got = rms_norm(x, alpha, 1e-8)
+    finally:
+        fused.enable(False)
+    assert torch.equal(got, rms_norm.eager(x, alpha, 1e-8))
+    assert sum(counters["stats"].values()) == before
+
+
+def test_talker_config_refuses_compile_off_cuda():
+    from services.talker.config import TalkerConfig
+
+    with pytest.raises(ValueError, match="compile needs a CUDA device"):
+        TalkerConfig(checkpoint="x", compile=True)
+    assert TalkerConfig(checkpoint="x", compile=True, device="cuda").compile

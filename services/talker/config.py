@@ -32,6 +32,14 @@ class TalkerConfig:
     # size: what lets the codecs fit beside 160 sessions); the rest of the model stays in `dtype`.
     weights_fp8: bool = False
     cuda_graph: bool = False  # replay the step as a captured CUDA graph (CUDA only; much faster there)
+    # Fuse the step's elementwise chains (norms, fp8 quantization, RoPE, SiLU gate) with
+    # torch.compile (CUDA only): a few thousand fewer kernels per step; start-up compiles them.
+    compile: bool = False
+    # BENCHMARK ONLY: every session attends over its whole ring from its first live frame, as a
+    # session does once it has talked for `context` frames (4 minutes at full size). The ring's
+    # unwritten part is zeros, so what the model says is meaningless; what a step costs is that of
+    # the steady state, measured without waiting minutes for it (bench/pipeline.py --full-context).
+    bench_full_context: bool = False
     tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
@@ -59,6 +67,8 @@ class TalkerConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graph needs a CUDA device, got device {self.device!r}")
+        if self.compile and not self.device.startswith("cuda"):
+            raise ValueError(f"compile needs a CUDA device (the CPU runs the eager kernels), got device {self.device!r}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0 (0 = the checkpoint's), got {self.context}")
         if self.prefill_chunk_frames < 1:

@@ -260,6 +260,9 @@ class TalkerEngine:
         self.prefill_graph_frames = PREFILL_GRAPH_FRAMES
         self._prefill_graph: _PrefillGraph | None = None
         self._voice_kv: dict[str, _VoicePrefix] = {}
+        # Benchmark only (TalkerConfig.bench_full_context): a session goes live as if it had already
+        # filled its ring, so every step costs what the steady state costs.
+        self.bench_full_context = False
 
     @classmethod
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
@@ -504,6 +507,9 @@ class TalkerEngine:
         self.hist[slot] = to_device(cols.ring, self.device)
         self.offset[slot] = cols.frames - 1
         self.start[slot] = cols.frames
+        if self.bench_full_context:
+            # The same ring indices (positions move by a whole ring), but every index is now valid.
+            self.kv.length[slot] += self.context
         self._live[slot] = True
         self._jobs[slot] = None
 

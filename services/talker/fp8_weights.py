@@ -28,8 +28,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.talker.decode_attention import FP8, FP8_MAX
+from services.talker.fused import fused
 
 
+@fused
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], fp32 scale [M, 1]) with x ~= q * scale, one scale per row."""
     amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
@@ -42,7 +44,7 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        q, scale = quantize_rows(weight.detach())
+        q, scale = quantize_rows.eager(weight.detach())  # once, at load: not worth a compile
         self.register_buffer("weight", q)  # [out, in] fp8, row-major: its .t() is the column-major operand
         self.register_buffer("scale", scale.reshape(1, -1).contiguous())  # [1, out] fp32
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from services.talker.fused import fused
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (moshi's "rms_norm_f32"): eps inside the mean, learnt alpha [1, 1, dim]."""
@@ -23,10 +25,15 @@ class RMSNorm(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, 1, dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        var = self.eps + torch.mean(x32 * x32, dim=-1, keepdim=True)
-        # Same operation order as moshi: x * (alpha * rsqrt(var)); alpha flattened so any rank works.
-        return (x32 * (self.alpha.reshape(-1).float() * torch.rsqrt(var))).to(x.dtype)
+        return rms_norm(x, self.alpha, self.eps)
+
+
+@fused
+def rms_norm(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    var = eps + torch.mean(x32 * x32, dim=-1, keepdim=True)
+    # Same operation order as moshi: x * (alpha * rsqrt(var)); alpha flattened so any rank works.
+    return (x32 * (alpha.reshape(-1).float() * torch.rsqrt(var))).to(x.dtype)
 
 
 class Gating(nn.Module):
@@ -38,8 +45,14 @@ class Gating(nn.Module):
         self.linear_out = nn.Linear(hidden, dim, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_in(x).unflatten(-1, (2, -1))
-        return self.linear_out(F.silu(h[..., 0, :]) * h[..., 1, :])
+        return self.linear_out(silu_gate(self.linear_in(x)))
+
+
+@fused
+def silu_gate(h: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * hidden] (gate | up) -> silu(gate) * up."""
+    h = h.unflatten(-1, (2, -1))
+    return F.silu(h[..., 0, :]) * h[..., 1, :]
 
 
 class Weight(nn.Module):
@@ -50,6 +63,7 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, cols, device=device, dtype=dtype))
 
 
+@fused
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, max_period: float):
     """Interleaved RoPE: pairs (x[2i], x[2i+1]) rotate by positions * max_period^(-2i/D).
 

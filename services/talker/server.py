@@ -227,6 +227,9 @@ class TalkerService:
         eng = engine_api()
         paths = CheckpointPaths.open(cfg.checkpoint, require=("lm", "tokenizer"))
         t0 = time.perf_counter()
+        if cfg.compile:
+            from services.talker import fused  # torch: imported with the engine, not with this module
+            fused.enable()  # before the first forward: the warm-up below compiles every shape
         if self.engine is None:
             # Loading is heavy; keep the loop free (nothing else runs yet, but signals still work).
             self.engine = await asyncio.to_thread(
@@ -249,6 +252,10 @@ class TalkerService:
         # and a GPU too full for them fails the start instead of the first session.
         t1 = time.perf_counter()
         self.engine.prefill_graph_frames = cfg.prefill_chunk_frames  # the chunk the graph is captured for
+        if cfg.bench_full_context:
+            log.warning("BENCHMARK MODE (bench_full_context): every session attends over a full ring of %d "
+                        "frames from its first frame; what the model says is meaningless", self.engine.context)
+            self.engine.bench_full_context = True
         voices = cfg.voices_to_preload
         try:
             await self.clock.compute(lambda: self.engine.warmup(voices))
