@@ -10,18 +10,16 @@ from pathlib import Path
 
 import torch
 
-from services.talker.decode_attention import (BLOCK_N, KERNEL, NUM_STAGES, NUM_WARPS, decode_attention,
+from services.talker.decode_attention import (BLOCK_N, NUM_STAGES, NUM_WARPS, decode_attention,
                                               decode_attention_reference, quantize_fp8)
 
-KERNELS = ("fma", "mma")
 
-
-def launch_configs(slots: int, fill: int, context: int) -> list[tuple[str, int, int, int]]:
-    """(kernel, block_n, num_warps, num_stages) to time: the whole grid for both kernels at the
-    serving shape (160 slots, full ring), the defaults elsewhere."""
+def launch_configs(slots: int, fill: int, context: int) -> list[tuple[int, int, int]]:
+    """(block_n, num_warps, num_stages) to time: the whole grid at the serving shape (160 slots,
+    full ring), the default elsewhere."""
     if slots == 160 and fill == context:
-        return [(k, bn, w, st) for k in KERNELS for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
-    return [(k, BLOCK_N, NUM_WARPS, NUM_STAGES) for k in KERNELS]
+        return [(bn, w, st) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
+    return [(BLOCK_N, NUM_WARPS, NUM_STAGES)]
 
 
 def bench(fn, iters=20):
@@ -60,13 +58,12 @@ def main() -> None:
         else:
             args_ = (ring_k, ring_v, None, None)
         ref = decode_attention_reference(q, *args_, slots, n_valid, sm)
-        for kernel in KERNELS:
-            out = decode_attention(q, *args_, slots, n_valid, sm, kernel=kernel)
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            results[f"rel_err_{kernel}_vs_ref_{kind}"] = err
-            print(f"{kind}: {kernel} kernel vs reference relative error {err:.2e}")
-            if not err < 2e-2:
-                failed.append(f"{kernel}/{kind}: {err:.2e}")
+        out = decode_attention(q, *args_, slots, n_valid, sm)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        results[f"rel_err_kernel_vs_ref_{kind}"] = err
+        print(f"{kind}: kernel vs reference relative error {err:.2e}")
+        if not err < 2e-2:
+            failed.append(f"{kind}: {err:.2e}")
     # fp8 vs bf16 attention output error
     kq, ks = quantize_fp8(ring_k)
     vq, vs = quantize_fp8(ring_v)
@@ -85,27 +82,25 @@ def main() -> None:
         for fill in (C, C // 4):
             n_valid = torch.full((S,), fill, device=dev)
             gb = S * H * fill * (2 * D + 4) / 1e9
-            for kernel, bn, warps, stages in launch_configs(S, fill, C):
+            for bn, warps, stages in launch_configs(S, fill, C):
                 try:
                     t = bench(lambda: decode_attention(q, kq, vq, ks, vs, slots, n_valid, sm, block_n=bn,
-                                                       num_warps=warps, num_stages=stages, kernel=kernel))
+                                                       num_warps=warps, num_stages=stages))
                 except Exception as e:  # e.g. a config that needs more shared memory than an SM has
-                    print(f"S={S} fill={fill} {kernel} block={bn} warps={warps} stages={stages}: failed: {type(e).__name__}")
+                    print(f"S={S} fill={fill} block={bn} warps={warps} stages={stages}: failed: {type(e).__name__}")
                     continue
-                key = f"S{S}_fill{fill}_{kernel}_bn{bn}_w{warps}_s{stages}"
+                key = f"S{S}_fill{fill}_bn{bn}_w{warps}_s{stages}"
                 results[f"{key}_ms"] = t * 1e3
-                sweep.append({"slots": S, "fill": fill, "kernel": kernel, "block_n": bn, "num_warps": warps,
-                              "num_stages": stages, "ms_per_layer": round(t * 1e3, 4), "gb_per_s": round(gb / t)})
+                sweep.append({"slots": S, "fill": fill, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                              "ms_per_layer": round(t * 1e3, 4), "gb_per_s": round(gb / t)})
                 print(f"{key}: {t*1e3:.3f} ms/layer, {gb/t:.0f} GB/s")
         del kq, vq
     full = [r for r in sweep if r["slots"] == 160 and r["fill"] == C]
-    for kernel in KERNELS:
-        rows = [r for r in full if r["kernel"] == kernel]
-        if rows:
-            best = min(rows, key=lambda r: r["ms_per_layer"])
-            results[f"best_{kernel}_at_160_full"] = best
-            print(f"best {kernel} at 160 slots, full ring: {best}")
-    results["default"] = {"kernel": KERNEL, "block_n": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    if full:
+        best = min(full, key=lambda r: r["ms_per_layer"])
+        results["best_at_160_full"] = best
+        print(f"best at 160 slots, full ring: {best}")
+    results["default"] = {"block_n": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
     results["sweep"] = sweep
     results["failed"] = failed
     Path(args.out).mkdir(parents=True, exist_ok=True)

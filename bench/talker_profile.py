@@ -13,6 +13,7 @@ Prints a table per batch size and writes talker_profile.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -69,7 +70,8 @@ def profile_batch(model, tok, B: int, steps: int) -> dict:
             row["by_kind_ms"] = {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
             row["top_kernels"] = [{"name": n[:120], "ms": round(t, 4), "calls": c // steps} for n, (t, c) in top]
-        del engine
+        del engine, one  # the step closure holds the engine too; its rings must go before the next
+        gc.collect()
         torch.cuda.empty_cache()
     row["between_kernels_ms"] = round(row["graphed_ms"] - row["kernel_ms_per_step"], 3)
     return row
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = "talker_profile" + ("_fp8w" if args.weights_fp8 else "") + ("_compiled" if args.compile else "") + ".json"
     (out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "weights_fp8": args.weights_fp8,
-                                        "compile": args.compile, "attention_kernel": decode_attention.KERNEL,
+                                        "compile": args.compile, "attention_launch": [decode_attention.BLOCK_N, decode_attention.NUM_WARPS,
+                                                             decode_attention.NUM_STAGES],
                                         "rows": rows}, indent=1))
     return 0
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services.talker.decode_attention import decode_attention_reference, dequantize_fp8, quantize_fp8
+from services.talker.kv_cache import KVCache
 from services.talker.model import LMConfig, LMModel
 
 TINY = LMConfig.tiny().replace(context=32)  # small: 500 frames wrap the ring many times
@@ -115,3 +116,13 @@ def test_fp8_greedy_agreement_over_500_frames():
     print(f"fp8 vs fp32 KV, tiny model, teacher-forced greedy token agreement over {frames} frames: {rate:.4f}")
     assert int(fp8_kv.length[0]) == frames > 10 * TINY.context  # the ring wrapped many times
     assert rate > 0.9, rate
+
+
+def test_idle_rows_read_one_entry_live_rows_their_valid_part():
+    """What the decode kernel is told to read per row: min(p + 1, context) entries, or a single
+    one for a row the step marks idle (its output is discarded, its ring costs no bandwidth)."""
+    cache = KVCache(1, 3, 1, 8, 4)
+    positions = torch.tensor([[0], [5], [20]])
+    assert cache.valid_entries(positions).tolist() == [1, 6, 8]
+    cache.live_rows = torch.tensor([True, False, True])
+    assert cache.valid_entries(positions).tolist() == [1, 1, 8]

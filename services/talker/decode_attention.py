@@ -95,90 +95,39 @@ if triton is not None:
             offs = idx[:, None] * s_kc + d[None, :]
             k = tl.load(k_base + offs, mask=valid[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_base + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            if HAS_SCALE:
-                ks = tl.load(KS + slot * s_ss + h * s_sh + idx, mask=valid, other=0.0).to(tl.float32)
-                vs = tl.load(VS + slot * s_ss + h * s_sh + idx, mask=valid, other=0.0).to(tl.float32)
-                k = k * ks[:, None]
-                v = v * vs[:, None]
+            # A vector's scale factors out of its dot product: the key's scales the score, the
+            # value's its probability, one product per position instead of one per element.
             s = tl.sum(k * q[None, :], axis=1)
+            if HAS_SCALE:
+                s = s * tl.load(KS + slot * s_ss + h * s_sh + idx, mask=valid, other=0.0).to(tl.float32)
             s = tl.where(valid, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=0)
+            if HAS_SCALE:
+                p = p * tl.load(VS + slot * s_ss + h * s_sh + idx, mask=valid, other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
         out = acc / l_i
         tl.store(OUT + b * s_ob + h * s_oh + d, out.to(OUT.dtype.element_ty))
 
-    @triton.jit
-    def _decode_kernel_mma(Q, K, V, KS, VS, SLOTS, NVALID, OUT, sm_scale,
-                           s_qb, s_qh, s_ks, s_kh, s_kc, s_ss, s_sh, s_ob, s_oh,
-                           HAS_SCALE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, M: tl.constexpr):
-        """The same contract on the tensor cores. The query is broadcast to M (16) identical rows,
-        the smallest tile an MMA takes: the products and their sums over D leave the CUDA cores,
-        which are then left with one fp8 -> bf16 conversion per loaded byte (exact: e4m3 is a
-        subset of bf16 and of fp16). The probabilities enter the second product rounded to the
-        query's dtype (as in FlashAttention). The per-vector scales are applied where they factor out: the key scale
-        to the score after the product, the value scale to the probability before it."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        slot = tl.load(SLOTS + b).to(tl.int64)
-        n = tl.load(NVALID + b)
-        d = tl.arange(0, D)
-        r = tl.arange(0, M)
-        q = tl.load(Q + b * s_qb + h * s_qh + d)
-        q = tl.broadcast_to(q[None, :], (M, D))  # bf16 or fp16: the MMA's input type
-        k_base = K + slot * s_ks + h * s_kh
-        v_base = V + slot * s_ks + h * s_kh
-        m_i = tl.full([M], -float("inf"), dtype=tl.float32)
-        l_i = tl.zeros([M], dtype=tl.float32)
-        acc = tl.zeros([M, D], dtype=tl.float32)
-        for start in range(0, n, BLOCK_N):
-            idx = start + tl.arange(0, BLOCK_N)
-            valid = idx < n
-            offs = idx[:, None] * s_kc + d[None, :]
-            k = tl.load(k_base + offs, mask=valid[:, None], other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k))  # [M, BLOCK_N], fp32 accumulation
-            if HAS_SCALE:
-                ks = tl.load(KS + slot * s_ss + h * s_sh + idx, mask=valid, other=0.0).to(tl.float32)
-                s = s * (ks * sm_scale)[None, :]
-            else:
-                s = s * sm_scale
-            s = tl.where(valid[None, :], s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + offs, mask=valid[:, None], other=0.0).to(q.dtype)
-            if HAS_SCALE:
-                vs = tl.load(VS + slot * s_ss + h * s_sh + idx, mask=valid, other=0.0).to(tl.float32)
-                p = p * vs[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-            m_i = m_new
-        out = acc / l_i[:, None]
-        ptrs = OUT + b * s_ob + h * s_oh + r[:, None] * 0 + d[None, :]
-        tl.store(ptrs, out.to(OUT.dtype.element_ty), mask=(r == 0)[:, None])
 
-
-# Launch parameters, chosen by the sweep in bench/attention_check.py on an H200 (160 slots x 3000
-# positions, fp8): see bench/results/attention_check.json. KERNEL picks the variant: "mma" (tensor
-# cores) or "fma" (CUDA cores); a float32 query always takes "fma" (an MMA would round it to tf32).
-KERNEL = "mma"
-BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 3
-MMA_ROWS = 16  # the query's rows in the "mma" kernel: the smallest M an MMA tile has
+# Launch parameters of the kernel, chosen by the sweep in bench/attention_check.py on an H200
+# (160 slots x 3000 positions, fp8): see bench/results/attention_check.json. A tensor-core variant
+# (the query broadcast to a 16-row MMA tile) was measured slower, 1.78 against 1.24 ms per layer
+# (bench/results/kernels-2026-11-29/attention_check_fma_vs_mma.json), and was dropped.
+BLOCK_N, NUM_WARPS, NUM_STAGES = 256, 4, 2
 
 
 def decode_attention(q, ring_k, ring_v, k_scale, v_scale, slots, n_valid, sm_scale, block_n: int = BLOCK_N,
-                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, kernel: str = KERNEL):
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
     """One query per row against its slot's ring, in place. Triton on CUDA, torch elsewhere.
 
     q [B, H, D]; ring_k/ring_v [S, H, C, D] (contiguous in the last two dims); k_scale/v_scale
     [S, H, C] for fp8 rings, else None; slots [B] (ring row of each query); n_valid [B] (entries
     0..n_valid-1 are valid, n_valid >= 1). No host synchronisation: safe inside a CUDA graph.
     """
-    if kernel not in ("mma", "fma"):
-        raise ValueError(f"kernel must be 'mma' or 'fma', got {kernel!r}")
     if triton is None or not q.is_cuda:
         return decode_attention_reference(q, ring_k, ring_v, k_scale, v_scale, slots, n_valid, sm_scale)
     B, H, D = q.shape
@@ -188,13 +137,10 @@ def decode_attention(q, ring_k, ring_v, k_scale, v_scale, slots, n_valid, sm_sca
     vs = v_scale if has_scale else q
     s_ss, s_sh = (k_scale.stride(0), k_scale.stride(1)) if has_scale else (0, 0)
     assert ring_k.stride() == ring_v.stride() and ring_k.stride(3) == 1
-    args = (q, ring_k, ring_v, ks, vs, slots, n_valid, out, sm_scale,
-            q.stride(0), q.stride(1), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), s_ss, s_sh,
-            out.stride(0), out.stride(1))
-    if kernel == "mma" and q.dtype in (torch.bfloat16, torch.float16) and ring_k.dtype in (q.dtype, FP8):
-        _decode_kernel_mma[(B, H)](*args, HAS_SCALE=has_scale, D=D, BLOCK_N=block_n, M=MMA_ROWS,
-                                   num_warps=num_warps, num_stages=num_stages)
-    else:
-        _decode_kernel[(B, H)](*args, HAS_SCALE=has_scale, D=D, BLOCK_N=block_n,
-                               num_warps=num_warps, num_stages=num_stages)
+    _decode_kernel[(B, H)](
+        q, ring_k, ring_v, ks, vs, slots, n_valid, out, sm_scale,
+        q.stride(0), q.stride(1), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), s_ss, s_sh,
+        out.stride(0), out.stride(1),
+        HAS_SCALE=has_scale, D=D, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
     return out

@@ -424,7 +424,11 @@ class TalkerEngine:
         kv = self.kv
         idx = kv.length % kv.context  # [S]: the ring index each row writes
         saved = kv.save_entries(idx)
-        h = self.model.temporal(x, kv, kv.all_slots)  # all_slots: the LM's sync-free path for every slot
+        kv.live_rows = act  # idle rows attend over one entry: their output is thrown away below
+        try:
+            h = self.model.temporal(x, kv, kv.all_slots)  # all_slots: the LM's sync-free path for every slot
+        finally:
+            kv.live_rows = None
         kv.restore_entries(idx, saved, keep=~act)
         kv.length -= (~act).long()
         return h

@@ -37,6 +37,10 @@ class KVCache:
         self.all_slots = torch.arange(slots, device=device)
         self._slot_index: dict[int, torch.Tensor] = {}  # slot -> LongTensor [slot] (see slot_index)
         self._trusted: list[torch.Tensor] = []  # see trust()
+        # BoolTensor[B] or None, set by the caller around a live step over every slot: rows whose
+        # attention output is used. The others (idle slots, stepped only because the step's shape is
+        # fixed) attend over one entry instead of their whole ring: an idle slot costs no bandwidth.
+        self.live_rows: torch.Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -177,6 +181,14 @@ class KVCache:
         return out
 
 
+    def valid_entries(self, positions: torch.Tensor) -> torch.Tensor:
+        """How many ring entries each row's live query reads (positions [B, 1]): all the valid
+        ones, min(p + 1, context), or 1 for a row that live_rows marks idle."""
+        n = (positions[:, 0] + 1).clamp(max=self.context)
+        if self.live_rows is not None:
+            n = torch.where(self.live_rows, n, torch.ones_like(n))
+        return n
+
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-vector dequantization scales of a layer's ring (None: the ring holds plain floats)."""
         return None, None
@@ -187,7 +199,7 @@ class KVCache:
         On CUDA a Triton kernel reads the ring in place and only its valid entries (indices
         0..min(p+1, context)-1 hold positions p-context+1..p). Elsewhere: plain torch."""
         if q.is_cuda:
-            n_valid = (positions[:, 0] + 1).clamp(max=self.context)
+            n_valid = self.valid_entries(positions)
             k_scale, v_scale = self.scales(layer)
             out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], k_scale, v_scale, slots, n_valid,
                                    q.shape[-1] ** -0.5)
