@@ -561,3 +561,64 @@ async def test_prefill_rides_behind_the_step_and_only_fails_its_own_session(tiny
         for sess in list(clock.sessions.values()):
             clock.close(sess)
         await clock.stop()
+
+
+async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_no_wait(tiny_checkpoint):
+    """input_wait: a talking session whose frame arrives a few ms after the deadline is stepped in
+    that tick's one step (without the wait it is skipped or needs a catch-up step). A session that
+    is not talking (no frame yet, or none for over 1.5 periods) never makes the clock wait, and
+    the wait never runs into the step's share of the period."""
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.scheduler import ConversationClock
+
+    loop = asyncio.get_running_loop()
+    frames = user_frames(8, 9)
+    for wait_s in (0.04, 0.0):
+        eng = engine(tiny_checkpoint, "served")
+        pool = SlotPool(SLOTS)
+        clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, input_wait_s=wait_s)
+        try:
+            a, b, silent = (clock.open(n, pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+                            for n in ("a", "b", "silent"))
+            while not (a.live and b.live and silent.live):
+                assert await clock._prefill_idle()
+            clock.push(a, 0, frames[0])
+            clock.push(b, 0, frames[0])
+            assert await clock._tick(loop.time() + 10) == 1
+            steps = clock.steps
+            clock.push(a, 1, frames[1])
+            loop.call_later(0.01, clock.push, b, 1, frames[1])  # b's frame: 10 ms after the deadline
+            await clock._tick(loop.time() + 0.2)
+            await asyncio.sleep(0.02)  # b's frame has arrived by now, whatever the tick did
+            on_time = clock.steps == steps + 1 and not a.inputs and not b.inputs
+            assert on_time if wait_s else not on_time
+            if b.inputs:  # (no wait) step b's frame before the next checks
+                await clock._tick(loop.time() + 10)
+        finally:
+            for sess in list(clock.sessions.values()):
+                clock.close(sess)
+            await clock.stop()
+    # the silent session alone lacks a frame: no wait; nor for one quiet for 1.5 periods
+    eng = engine(tiny_checkpoint, "served")
+    pool = SlotPool(SLOTS)
+    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, input_wait_s=0.04)
+    try:
+        a, silent = (clock.open(n, pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1) for n in ("a", "s"))
+        while not (a.live and silent.live):
+            assert await clock._prefill_idle()
+        clock.push(a, 0, frames[0])
+        assert await clock._wait_for_due_frames([a, silent], loop.time() + 1) == 0.0
+        await clock._tick(loop.time() + 10)
+        await asyncio.sleep(0.13)  # a has been quiet for over 1.5 periods
+        assert await clock._wait_for_due_frames([a, silent], loop.time() + 1) == 0.0
+        clock.push(a, 1, frames[1])
+        await clock._tick(loop.time() + 10)
+        # a is talking and its next frame is due: the wait lasts until the step's slack is used up
+        clock._step_s = 0.07
+        waited = await clock._wait_for_due_frames([a, silent], loop.time() + 0.08)
+        assert 0.0 < waited < 0.03
+    finally:
+        for sess in list(clock.sessions.values()):
+            clock.close(sess)
+        await clock.stop()

@@ -41,6 +41,11 @@ class TalkerConfig:
     # the steady state, measured without waiting minutes for it (bench/pipeline.py --full-context).
     bench_full_context: bool = False
     tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
+    # At a tick's deadline, wait up to this long for frames that are due (their session sent one
+    # within the last 1.5 periods) but not here yet, while the step still ends before the next
+    # deadline: a session whose frames arrive just after the deadline is stepped on time instead
+    # of alternating between a skipped tick and a catch-up step. 0 = tick on the deadline.
+    input_wait_ms: float = 15.0
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
     # Most prompt frames one prefill chunk runs (behind a step); with cuda_graph also the length
@@ -61,6 +66,8 @@ class TalkerConfig:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if not (1.0 <= self.tick_ms <= 10_000.0):
             raise ValueError(f"tick_ms must be in [1, 10000], got {self.tick_ms}")
+        if not 0.0 <= self.input_wait_ms < self.tick_ms:
+            raise ValueError(f"input_wait_ms must be in [0, tick_ms), got {self.input_wait_ms}")
         if self.max_backlog_s <= 0:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

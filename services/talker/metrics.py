@@ -3,6 +3,7 @@
     duplex_talker_tick_seconds            histogram: one clock tick that stepped (main step + catch-up steps)
     duplex_talker_tick_lateness_seconds   histogram: how late a tick started after its deadline
     duplex_talker_prefill_seconds         histogram: open -> prompt in the slot (wall time)
+    duplex_talker_input_wait_seconds      histogram: a tick's wait at its deadline for due frames (input_wait_ms)
     duplex_talker_frames_advanced_total   counter: session frames stepped (one per input frame)
     duplex_talker_frames_skipped_total    counter: live sessions left unstepped at a tick for want of input
     duplex_talker_catch_up_steps_total    counter: extra batched steps run for sessions with a backlog
@@ -36,6 +37,9 @@ class TalkerMetrics:
                                        buckets=LATENESS_BUCKETS, registry=r)
         self.prefill_duration = Histogram("duplex_talker_prefill_seconds", "Open to prompt-in-slot, wall time",
                                           buckets=PREFILL_BUCKETS, registry=r)
+        self.input_wait = Histogram("duplex_talker_input_wait_seconds",
+                                    "A tick's wait at its deadline for frames that are due but not here yet",
+                                    buckets=LATENESS_BUCKETS, registry=r)
         self.frames_advanced = Counter("duplex_talker_frames_advanced", "Session frames stepped", registry=r)
         self.frames_skipped = Counter("duplex_talker_frames_skipped",
                                       "Live sessions not stepped at a tick for want of input", registry=r)

@@ -8,7 +8,9 @@ step's batch (and its slot stays pinned until that step returns) or in none.
 
 One period of the clock (tick_s, 80 ms):
 
-    deadline ──▶ main step: every live session with a queued frame, one frame each,
+    deadline ──▶ wait for due frames: up to input_wait_s for sessions whose frame is
+                   due but not here yet (below), never past the step's slack
+                 main step: every live session with a queued frame, one frame each,
                    with one piece of prefill riding behind it (below)
                  catch-up steps: sessions that still have queued frames, while the
                    measured step time still fits before the next deadline
@@ -22,6 +24,13 @@ while the GPU is still busy with the step, and only then waits for the step's ou
 host cost hides behind the step; the GPU runs the piece after the step, so only its GPU time
 (not its launch time) comes out of the period. When no step is running (no live session, or
 none with input for two periods) prefill runs in the idle time instead, in whole chunks.
+
+Frames arrive with jitter. A session whose frames reach the talker near the deadline would
+otherwise alternate between no frame at a tick (skipped) and two at the next (one of them a
+catch-up step that stretches the tick); on the H200 at 96 full-context sessions 40 % of the
+session-ticks were skipped that way (bench/results). So at the deadline the clock waits, up to
+input_wait_s, for live sessions that sent a frame within the last 1.5 periods and have none
+queued, but only while the step would still end before the next deadline.
 
 A live session without input for a tick is not stepped (no invented audio) and
 costs the others nothing: the batch has a fixed shape [slots, 8] and an active mask.
@@ -96,12 +105,14 @@ class Session:
     failed: bool = False  # an error went to its outbox: no more engine work
     out_seq: int = 0
     prefill_started: float = 0.0
+    last_input_at: float = float("-inf")  # loop time of its latest input frame
 
 
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
-                 prefill_chunk_frames: int = 64, metrics=None):
+                 prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, metrics=None):
         self.engine = engine
+        self.input_wait_s = input_wait_s
         self.pool = pool
         self.tick_s = tick_s
         self.max_backlog_frames = max_backlog_frames
@@ -110,6 +121,7 @@ class ConversationClock:
         self.sessions: dict[int, Session] = {}  # slot -> session
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="talker-compute")
         self._wake = asyncio.Event()
+        self._arrived = asyncio.Event()  # set by push(): a frame arrived (for the input wait)
         self._task: asyncio.Task | None = None
         # Measured step time (EMA, seconds), used to decide whether a catch-up step still fits.
         self._step_s = 0.0
@@ -177,6 +189,8 @@ class ConversationClock:
                 f"(max {self.max_backlog_frames}); read the responses as they come"
             )
         s.inputs.append((seq, codes))
+        s.last_input_at = asyncio.get_running_loop().time()
+        self._arrived.set()
 
     def input_done(self, s: Session) -> None:
         """The client sent its last frame: end the stream once its queue is stepped."""
@@ -279,6 +293,8 @@ class ConversationClock:
         """The main step and the catch-up steps of one period; returns the number of steps run."""
         loop = asyncio.get_running_loop()
         live = [s for s in self.sessions.values() if s.live]
+        await self._wait_for_due_frames(live, period_end)
+        live = [s for s in live if s.live]  # one may have ended while we waited
         if self.metrics:
             self.metrics.frames_skipped.inc(sum(1 for s in live if not s.inputs))
         batch = [s for s in live if s.inputs]
@@ -302,6 +318,35 @@ class ConversationClock:
                 return steps
             await self._step(behind, catch_up=True)
             steps += 1
+
+    async def _wait_for_due_frames(self, live: list[Session], period_end: float) -> float:
+        """Up to input_wait_s for the frames of sessions that are talking (a frame within the last
+        1.5 periods) but have none queued; never past the point where the step (its measured time)
+        would end after period_end. Returns the seconds waited (module doc: why)."""
+        if self.input_wait_s <= 0:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        limit = min(start + self.input_wait_s, period_end - self._step_s)
+        talking_since = start - 1.5 * self.tick_s
+        waited = False
+        while True:
+            due = any(s.live and not s.inputs and not s.input_done and s.last_input_at >= talking_since for s in live)
+            left = limit - loop.time()
+            if not due or left <= 0:
+                break
+            self._arrived.clear()
+            waited = True
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                break
+        if not waited:
+            return 0.0
+        seconds = loop.time() - start
+        if self.metrics:
+            self.metrics.input_wait.observe(seconds)
+        return seconds
 
     async def _step(self, batch: list[Session], catch_up: bool) -> None:
         n = self.engine.num_slots
