@@ -231,6 +231,7 @@ def test_gpu_memory_from_the_stage_gauges_and_none_without_them():
     (["--smoke", "--probe-sessions", "2"], "--probe-sessions K needs"),  # smoke N is 2: no steady session left
     (["--smoke", "--sessions", "4", "--fallback-sessions", "1"], "--probe-sessions K needs"),
     (["--smoke", "--probe-cycle-s", "0.1"], "two input frames"),
+    (["--smoke", "--codec-sm-percent", "30"], "needs --mps"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
