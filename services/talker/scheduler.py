@@ -54,6 +54,7 @@ from services.common.slots import SlotPool
 log = logging.getLogger("talker.clock")
 
 LAG_FRAMES = 2  # queued frames after the main step from which a tick catches up past its deadline
+INPUT_WAIT_HEADROOM = 0.1  # share of the period the input wait leaves free beyond the measured step
 
 
 class BacklogFull(ResourceExhausted):
@@ -321,13 +322,14 @@ class ConversationClock:
 
     async def _wait_for_due_frames(self, live: list[Session], period_end: float) -> float:
         """Up to input_wait_s for the frames of sessions that are talking (a frame within the last
-        1.5 periods) but have none queued; never past the point where the step (its measured time)
-        would end after period_end. Returns the seconds waited (module doc: why)."""
+        1.5 periods) but have none queued; never past the point where the step (its measured time
+        plus a tenth of the period) would end after period_end. Returns the seconds waited (module doc: why)."""
         if self.input_wait_s <= 0:
             return 0.0
         loop = asyncio.get_running_loop()
         start = loop.time()
-        limit = min(start + self.input_wait_s, period_end - self._step_s)
+        # Headroom beyond the measured step (an EMA): a step above its average must still end in time.
+        limit = min(start + self.input_wait_s, period_end - self._step_s - INPUT_WAIT_HEADROOM * self.tick_s)
         talking_since = start - 1.5 * self.tick_s
         waited = False
         while True:
