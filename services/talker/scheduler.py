@@ -13,7 +13,8 @@ One period of the clock (tick_s, 80 ms):
                  main step: every live session with a queued frame, one frame each,
                    with one piece of prefill riding behind it (below)
                  catch-up steps: sessions that still have queued frames, while the
-                   measured step time still fits before the next deadline
+                   measured step time (plus a tenth of the period) still fits before
+                   the next deadline
                  sleep until the next deadline (woken early by new work)
 
 Prefill rides behind the main step. A prefill chunk is a few thousand eager kernel launches:
@@ -54,7 +55,11 @@ from services.common.slots import SlotPool
 log = logging.getLogger("talker.clock")
 
 LAG_FRAMES = 2  # queued frames after the main step from which a tick catches up past its deadline
-INPUT_WAIT_HEADROOM = 0.1  # share of the period the input wait leaves free beyond the measured step
+# Share of the period kept free beyond the measured step (an EMA) when the clock decides whether
+# waiting for input or a catch-up step still ends before the next deadline: a step above its
+# average must end in time too. (At 96 sessions on the H200, catch-up steps that "fitted" by the
+# bare average ended 1-4 ms past the deadline, tick after tick.)
+STEP_HEADROOM = 0.1
 
 
 class BacklogFull(ResourceExhausted):
@@ -313,7 +318,7 @@ class ConversationClock:
             behind = [s for s in self.sessions.values() if s.live and s.inputs]
             if not behind:
                 return steps
-            fits = loop.time() + self._step_s <= period_end
+            fits = loop.time() + self._step_s + STEP_HEADROOM * self.tick_s <= period_end
             lagging = steps == 1 and max(len(s.inputs) for s in behind) >= LAG_FRAMES
             if not (fits or lagging):
                 return steps
@@ -328,8 +333,7 @@ class ConversationClock:
             return 0.0
         loop = asyncio.get_running_loop()
         start = loop.time()
-        # Headroom beyond the measured step (an EMA): a step above its average must still end in time.
-        limit = min(start + self.input_wait_s, period_end - self._step_s - INPUT_WAIT_HEADROOM * self.tick_s)
+        limit = min(start + self.input_wait_s, period_end - self._step_s - STEP_HEADROOM * self.tick_s)
         talking_since = start - 1.5 * self.tick_s
         waited = False
         while True:
