@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from bench.prefill_graph_check import talk_while_prefilling
 from services.common.checkpoint import CheckpointPaths
 from services.talker import fused
 from services.talker.decode_attention import dequantize_fp8, quantize_fp8
-from services.talker.engine import SamplingParams, TalkerEngine
+from services.talker.engine import TalkerEngine
 from services.talker.fp8_weights import quantize_rows
 from services.talker.layers import apply_rope, rms_norm, silu_gate
 from tools.make_checkpoint import ensure_checkpoint
@@ -78,16 +79,8 @@ def run_engine(paths: CheckpointPaths, compiled: bool) -> list:
     eng.warmup(("NATF2.pt",))
     g = torch.Generator().manual_seed(0)
     frames = torch.randint(0, eng.card, (400, 3, 8), generator=g)
-    job0 = eng.begin(0, None, "", SamplingParams(greedy=True))
-    while not job0.run(64):
-        pass
-    job2 = eng.begin(2, "NATF2.pt", "You are a calm assistant.", SamplingParams(seed=5))
-    outs, t = [], 0
-    while not job2.done:
-        r = eng.step(frames[t], torch.tensor([True, False, False]))
-        job2.run(3)
-        outs += [r.text_tokens[0].item(), *r.agent_codes[0].tolist()]
-        t += 1
+    results = talk_while_prefilling(eng, frames)
+    outs, t = [x for r in results for x in (r.text_tokens[0].item(), *r.agent_codes[0].tolist())], len(results)
     both = torch.tensor([True, False, True])
     for _ in range(200):
         r = eng.step(frames[t], both)

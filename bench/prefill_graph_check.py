@@ -21,6 +21,21 @@ from services.talker.engine import SamplingParams, TalkerEngine
 from tools.make_checkpoint import ensure_checkpoint
 
 
+def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor) -> list:
+    """Slot 0 goes live (no prompt) and talks while slot 2's prompt (a voice and a persona) runs
+    behind its steps, three frames per step. Returns slot 0's step results meanwhile; frames[i]
+    is step i's input."""
+    job0 = eng.begin(0, None, "", SamplingParams(greedy=True))
+    while not job0.run(64):
+        pass
+    job2 = eng.begin(2, "NATF2.pt", "You are a calm assistant.", SamplingParams(seed=5))
+    results, active = [], torch.tensor([True, False, False])
+    while not job2.done:
+        results.append(eng.step(frames[len(results)], active))  # slot 0 talks ...
+        job2.run(3)  # ... while slot 2's prompt runs behind its step
+    return results
+
+
 def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool) -> tuple[list, torch.Tensor, int]:
     eng = TalkerEngine.from_checkpoint(paths, slots=3, device="cuda", dtype=torch.float32, kv_fp8=kv_fp8,
                                        cuda_graph=graphed)
@@ -28,17 +43,8 @@ def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool) -> tuple[list, torc
     eng.warmup(("NATF2.pt",))
     g = torch.Generator().manual_seed(0)
     frames = torch.randint(0, eng.card, (60, 3, 8), generator=g)
-    job0 = eng.begin(0, None, "", SamplingParams(greedy=True))
-    while not job0.run(64):
-        pass
-    job2 = eng.begin(2, "NATF2.pt", "You are a calm assistant.", SamplingParams(seed=5))
-    outs, t = [], 0
-    active = torch.tensor([True, False, False])
-    while not job2.done:
-        r = eng.step(frames[t], active)  # slot 0 talks ...
-        job2.run(3)  # ... while slot 2's prompt runs behind its step
-        outs.append(r.agent_codes[0].tolist())
-        t += 1
+    results = talk_while_prefilling(eng, frames)
+    outs, t = [r.agent_codes[0].tolist() for r in results], len(results)
     length = int(eng.kv.length[2])
     # The written positions only: past them a graphed chunk leaves its padding (never read).
     kv2 = torch.cat([eng.kv.k[:, 2, :, :length].float().flatten(), eng.kv.v[:, 2, :, :length].float().flatten()]).cpu()
