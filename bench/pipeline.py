@@ -299,7 +299,9 @@ def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, li
     talker += ["--preload-voices", cfg.voice]
     if cfg.full_context:
         talker += ["--bench-full-context", "true"]
-    codec = ["--threads", "1"] + (["--cuda-graph", "true"] if cfg.cuda else [])
+    # The codecs as deployed (k8s/overlays/gpu): CUDA graphs, and a 20 ms batch wait on the GPU (a
+    # step costs the same for 1 or N streams). --codec-args comes after, so it overrides these.
+    codec = ["--threads", "1"] + (["--cuda-graph", "true", "--batch-wait-ms", "20"] if cfg.cuda else [])
     return {"encoder": common + codec + shlex.split(cfg.codec_args),
             "talker": common + talker + shlex.split(cfg.talker_args),
             "decoder": common + codec + shlex.split(cfg.codec_args)}
