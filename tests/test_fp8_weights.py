@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from services.talker.fp8_weights import Fp8Linear, quantize_rows
 from services.talker.model import LMConfig, LMModel
+from tests.test_fp8_kv import greedy_frame  # the same greedy frame as the fp8 KV guard
 
 TINY = LMConfig.tiny()
 
@@ -63,12 +64,6 @@ def test_quantize_swaps_the_temporal_matrices_only_and_is_idempotent():
     assert not any(".self_attn." in n or ".gating." in n for n in left if n.startswith("transformer."))
     for n, p in left.items():  # everything else is untouched
         assert torch.equal(p, before[n]), n
-
-
-def greedy_frame(model: LMModel, h: torch.Tensor) -> torch.Tensor:
-    text = model.text_logits(h).argmax(-1)
-    audio = model.depformer(h, text, lambda cb, logits: logits.argmax(-1), steps=8)
-    return torch.cat([text[:, None], audio], dim=1)
 
 
 def test_fp8_weights_greedy_agreement_over_500_frames():
