@@ -54,7 +54,9 @@ DEFINITIONS = {
               "excludes the 80 ms capture time of a frame",
     "stage quantiles": "Prometheus histogram bucket deltas over the run (before start -> after the last output), "
                        "interpolated inside a bucket: bucket resolution",
-    "talker_tick": "one conversation-clock tick that stepped (main batched step + catch-up steps)",
+    "talker_tick": "one conversation-clock tick that stepped, from its deadline to its last step's outputs "
+                   "(input wait, main batched step, catch-up steps; prefill runs after it, in the slack)",
+    "talker_prefill_piece": "one prefill piece (begin and/or a prompt chunk) run in a period's slack, on the device",
     "pass": "talker ticks <= 80 ms for >= 99% (exact: 80 ms is a bucket bound), every session admitted, no "
             "session/stage error or backlog refusal, every owed output frame delivered, and no growing backlog "
             "(mean frames in flight grows less than backlog_growth_frames over the run)",
@@ -112,6 +114,7 @@ def _talker_block(before: dict, after: dict) -> dict:
         "frames_skipped": int(counter_delta(before, after, "duplex_talker_frames_skipped")),
         "catch_up_steps": int(counter_delta(before, after, "duplex_talker_catch_up_steps")),
         "backlog_refusals": int(counter_delta(before, after, "duplex_talker_backlog_refusals")),
+        "prefill_piece_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_prefill_piece_seconds")),
     }
 
 
@@ -286,10 +289,13 @@ def probe_line(run: dict) -> str:
     def ms(x):
         return "-" if x is None else f"{x:.1f}"
 
+    piece = (run.get("talker") or {}).get("prefill_piece_ms") or {}
+    pieces = (f"; talker prefill pieces p50/p99 {ms(piece.get('p50'))}/{ms(piece.get('p99'))} ms"
+              if piece.get("count") else "")
     return (f"N={run['sessions']} probes ({p['slots']} of N, {p['cycles']} opens beside {run['steady_sessions']} steady): "
             f"open p50/p99 {ms(p['open_ms']['p50'])}/{ms(p['open_ms']['p99'])} ms, "
             f"first audio p50/p99 {ms(p['first_audio_ms']['p50'])}/{ms(p['first_audio_ms']['p99'])} ms, "
-            f"errors {p['errors_total']}")
+            f"errors {p['errors_total']}" + pieces)
 
 
 def gpu_memory_lines(mem: dict | None) -> list[str]:

@@ -520,10 +520,11 @@ async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_c
         await clock.stop()
 
 
-async def test_prefill_rides_behind_the_step_and_only_fails_its_own_session(tiny_checkpoint):
-    """With a session live, a new session's prompt is run behind the main step (begin + a whole
-    chunk, oldest first), not in idle time; it then talks exactly like a session run alone. A
-    begin() that refuses (a voice the engine lacks) fails that session only."""
+async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_session(tiny_checkpoint):
+    """With a session live, a new session's prompt runs after the tick's outputs, in the period's
+    slack (begin + a whole chunk, oldest first), never inside the tick; it then talks exactly like
+    a session run alone. A begin() that refuses (a voice the engine lacks) fails that session only.
+    A piece that does not fit the slack waits, unless the prompt has starved for two periods."""
     from services.common.checkpoint import InvalidVoice
     from services.common.slots import SlotPool
     from services.talker.engine import SamplingParams
@@ -542,16 +543,23 @@ async def test_prefill_rides_behind_the_step_and_only_fails_its_own_session(tiny
         bad = clock.open("bad", pool.acquire(), "NOT-A-VOICE.pt", PERSONA, greedy, 1)
         frames = user_frames(14, 3)
         clock.push(first, 0, frames[0])
-        assert await clock._tick(loop.time() + 10) == 1  # one main step ...
-        assert mine.live and not bad.live and clock.steps == 1  # ... with mine's whole prompt behind it
+        assert await clock._tick(loop.time() + 10) == 1  # one main step, no prefill inside it
+        assert not mine.live and mine.job is None and not first.outbox.empty()
+        # A piece does not fit 5 ms of slack (measured pieces take 50 ms) and nobody starves yet.
+        clock._piece_s, clock._prefill_progress = 0.05, loop.time()
+        await clock._prefill_in_slack(loop.time() + 0.005)
+        assert mine.job is None and not mine.pieces_ms
+        # Starving for over two periods: exactly one piece runs although it does not fit.
+        clock._prefill_progress = loop.time() - 0.2
+        await clock._prefill_in_slack(loop.time() + 0.005)
+        assert mine.live and len(mine.pieces_ms) == 1 and not bad.failed  # its whole prompt: one chunk
         assert isinstance(mine.outbox.get_nowait(), Ready)
-        clock.push(first, 1, frames[1])
-        await clock._tick(loop.time() + 10)  # the next step carries the next waiting session: bad
-        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed
+        await clock._prefill_in_slack(loop.time() + 10)  # plenty of slack: the next waiting session
+        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed and first.live
         got = []
         for i, f in enumerate(frames):  # mine talks beside first, as if alone
             clock.push(mine, i, f)
-            clock.push(first, i + 2, frames[(i + 2) % len(frames)])
+            clock.push(first, i + 1, frames[(i + 1) % len(frames)])
             await clock._tick(loop.time() + 10)
             while not mine.outbox.empty():
                 out = mine.outbox.get_nowait()

@@ -48,7 +48,7 @@ class TalkerConfig:
     input_wait_ms: float = 15.0
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
-    # Most prompt frames one prefill chunk runs (behind a step); with cuda_graph also the length
+    # Most prompt frames one prefill chunk runs (in a period's slack); with cuda_graph also the length
     # of the captured chunk (shorter ones are padded to it).
     prefill_chunk_frames: int = 64
     # Voices (comma-separated basenames, e.g. "NATF2.pt,NATM1.pt") whose KV prefix is computed at

@@ -31,12 +31,15 @@ class TalkerMetrics:
     def __init__(self, stage: StageMetrics):
         self.stage = stage
         r = stage.registry
-        self.tick_duration = Histogram("duplex_talker_tick_seconds", "Wall time of one clock tick that stepped (main + catch-up steps)",
+        self.tick_duration = Histogram("duplex_talker_tick_seconds", "From a tick's deadline to its last step's outputs (input wait, main and catch-up steps)",
                                        buckets=TICK_BUCKETS, registry=r)
         self.tick_lateness = Histogram("duplex_talker_tick_lateness_seconds", "How late a tick started after its deadline",
                                        buckets=LATENESS_BUCKETS, registry=r)
         self.prefill_duration = Histogram("duplex_talker_prefill_seconds", "Open to prompt-in-slot, wall time",
                                           buckets=PREFILL_BUCKETS, registry=r)
+        self.prefill_piece = Histogram("duplex_talker_prefill_piece_seconds",
+                                       "One prefill piece (begin and/or a prompt chunk) in a period's slack, on the device",
+                                       buckets=TICK_BUCKETS, registry=r)
         self.input_wait = Histogram("duplex_talker_input_wait_seconds",
                                     "A tick's wait at its deadline for frames that are due but not here yet",
                                     buckets=LATENESS_BUCKETS, registry=r)

@@ -10,21 +10,22 @@ One period of the clock (tick_s, 80 ms):
 
     deadline ──▶ wait for due frames: up to input_wait_s for sessions whose frame is
                    due but not here yet (below), never past the step's slack
-                 main step: every live session with a queued frame, one frame each,
-                   with one piece of prefill riding behind it (below)
+                 main step: every live session with a queued frame, one frame each
                  catch-up steps: sessions that still have queued frames, while the
                    measured step time (plus a tenth of the period) still fits before
                    the next deadline
+                 (the tick ends here: its outputs are out)
+                 prefill: pieces of the oldest waiting prompt in the period's slack (below)
                  sleep until the next deadline (woken early by new work)
 
-Prefill rides behind the main step. A prefill chunk is a few thousand eager kernel launches:
-tens of ms of host time, while its GPU time is a few ms. So the compute thread launches the
-step (one graph replay), queues its outputs' copy to the host, then launches one piece of
-prefill (begin() and up to prefill_chunk_frames prompt frames of the oldest waiting session)
-while the GPU is still busy with the step, and only then waits for the step's outputs. The
-host cost hides behind the step; the GPU runs the piece after the step, so only its GPU time
-(not its launch time) comes out of the period. When no step is running (no live session, or
-none with input for two periods) prefill runs in the idle time instead, in whole chunks.
+Prefill runs after the tick's outputs, in the slack before the next deadline: one piece
+(begin() and up to prefill_chunk_frames prompt frames of the oldest waiting session) when the
+measured piece time (an EMA, plus a tenth of the period) fits, more while they fit, and one
+even when it does not fit if the prompt has made no progress for two periods (so a full
+clock delays a new session instead of starving it). A piece used to ride behind the main step
+to hide its launch time; on the H200 at 128 full-context sessions that stretched the step from
+45 to about 80 ms for the two ticks of every opening session, 3 % of all ticks (bench/results).
+When no session is live, prefill runs in whole chunks while the clock sleeps.
 
 Frames arrive with jitter. A session whose frames reach the talker near the deadline would
 otherwise alternate between no frame at a tick (skipped) and two at the next (one of them a
@@ -112,6 +113,7 @@ class Session:
     out_seq: int = 0
     prefill_started: float = 0.0
     last_input_at: float = float("-inf")  # loop time of its latest input frame
+    pieces_ms: list = field(default_factory=list)  # wall time of each of its prefill pieces
 
 
 class ConversationClock:
@@ -132,11 +134,11 @@ class ConversationClock:
         # Measured step time (EMA, seconds), used to decide whether a catch-up step still fits.
         self._step_s = 0.0
         self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
+        self._piece_s = 0.0  # measured prefill piece time (EMA, seconds): does one fit in the slack?
         self._overruns = 0
         self._overrun_logged = float("-inf")
         self._slow_ticks = 0
         self._slow_logged = float("-inf")
-        self._rode = False  # whether the last main step carried a prefill piece
         self.ticks = 0
         self.steps = 0  # batched engine steps, main + catch-up
 
@@ -162,7 +164,7 @@ class ConversationClock:
     # ---- sessions (called by the servicer) ----------------------------------------------------
 
     def open(self, stream_id: str, slot: int, voice: str | None, persona: str, sampling, seed: int) -> Session:
-        """Register a session on an acquired slot; its prefill rides behind the next main steps.
+        """Register a session on an acquired slot; its prefill runs in the next periods' slack.
 
         Its outbox gets Ready when the prompt sits in the slot, or the engine's typed
         error (InvalidVoice, InvalidPersona, InvalidSampling) if begin() refuses it.
@@ -241,15 +243,12 @@ class ConversationClock:
                     self.metrics.tick_lateness.observe(max(0.0, started - deadline))
                 next_deadline = deadline + self.tick_s
                 stepped = await self._tick(next_deadline)
-                if self._prefill_waiting() and loop.time() - self._prefill_progress > 2 * self.tick_s:
-                    # No step to ride for two periods (live sessions without input): prefill in
-                    # the idle time rather than starve a new session.
-                    await self._prefill_idle()
-                took = loop.time() - started
+                took = loop.time() - deadline  # from the deadline: a tick that started late is that much later
                 if self.metrics and stepped:
                     self.metrics.tick_duration.observe(took)
                 if stepped and took > self.tick_s:
                     self._note_slow_tick(took, stepped)
+                await self._prefill_in_slack(next_deadline)
                 self.ticks += 1
                 deadline = next_deadline
                 if loop.time() > deadline + self.tick_s:
@@ -274,9 +273,10 @@ class ConversationClock:
         now = time.monotonic()
         if now - self._slow_logged < 10.0:
             return
-        log.warning("slow tick: %.1f ms for %d step(s) (step EMA %.1f ms, prefill rode: %s, %d live sessions); "
-                    "%d slow tick(s) since the last report", took * 1e3, steps, self._step_s * 1e3,
-                    self._rode, sum(s.live for s in self.sessions.values()), self._slow_ticks)
+        log.warning("slow tick: %.1f ms for %d step(s) from its deadline (step EMA %.1f ms, prefill piece EMA "
+                    "%.1f ms, %d live sessions); %d slow tick(s) since the last report", took * 1e3, steps,
+                    self._step_s * 1e3, self._piece_s * 1e3, sum(s.live for s in self.sessions.values()),
+                    self._slow_ticks)
         self._slow_ticks, self._slow_logged = 0, now
 
     async def _idle_until(self, deadline: float) -> None:
@@ -366,14 +366,10 @@ class ConversationClock:
             s.stepping = True
             taken.append((s, seq))
         slots = [s.slot for s, _ in taken]
-        rider = None if catch_up else self._prefill_candidate()
-        if not catch_up:
-            self._rode = rider is not None
-        piece = (rider.job, self._begin_args(rider)) if rider is not None else None
         self.pool.pin(slots)
         t0 = time.perf_counter()
         try:
-            result, prefilled = await self.compute(self._step_on_compute_thread, codes, active, piece)
+            result = await self.compute(self._step_on_compute_thread, codes, active)
         except Exception as e:
             for s, _ in taken:
                 self.fail(s, e)
@@ -383,8 +379,6 @@ class ConversationClock:
             for s, _ in taken:
                 s.stepping = False
         dt = time.perf_counter() - t0
-        if rider is not None:
-            self._after_prefill(rider, *prefilled)
         self._step_s = dt if self.steps == 0 else 0.8 * self._step_s + 0.2 * dt
         self.steps += 1
         if self.metrics:
@@ -402,26 +396,17 @@ class ConversationClock:
                 s.out_seq += 1
             self._maybe_end(s)
 
-    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor, piece):
-        """The step, with a prefill piece (job, begin args) launched behind it (module doc)."""
+    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor):
         r = self.engine.step(codes, active)
         packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
-        if packed.is_cuda:
-            host = packed.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host, ready = packed, None
-        prefilled = self._prefill_piece(*piece) if piece is not None else None
-        if ready is not None:
-            ready.synchronize()  # the step's outputs (not the prefill queued after them)
+        host = packed.cpu()
         rows = host.tolist()
         tokens = [row[0] for row in rows]
         agent = [row[1:-1] for row in rows]
         has_out = [bool(row[-1]) for row in rows]
         act = active.tolist()
         pieces = [self.engine.text_piece(t) if act[i] and has_out[i] else "" for i, t in enumerate(tokens)]
-        return (tokens, agent, has_out, pieces), prefilled
+        return tokens, agent, has_out, pieces
 
     # ---- prefill ----------------------------------------------------------------------------
 
@@ -436,22 +421,43 @@ class ConversationClock:
     def _begin_args(s: Session) -> tuple:
         return s.slot, s.voice, s.persona, s.sampling
 
+    async def _prefill_in_slack(self, period_end: float) -> None:
+        """Prefill pieces after a tick, while one fits before period_end; one regardless when the
+        waiting prompt has made no progress for two periods (module doc)."""
+        loop = asyncio.get_running_loop()
+        while self._prefill_waiting():
+            fits = loop.time() + self._piece_s + STEP_HEADROOM * self.tick_s <= period_end
+            starving = loop.time() - self._prefill_progress > 2 * self.tick_s
+            if not (fits or starving):
+                return
+            await self._prefill_idle()
+
     def _prefill_piece(self, job, begin_args: tuple):
         """On the compute thread: begin() if the session has no job yet, then one chunk of up to
-        prefill_chunk_frames. Returns (job, done, error); errors are the session's, not the step's."""
+        prefill_chunk_frames, waited for on the GPU (its time is what the slack must hold).
+        Returns (job, done, error, seconds); errors are the session's, not the clock's."""
+        t0 = time.perf_counter()
         try:
             if job is None:
                 job = self.engine.begin(*begin_args)
-            return job, job.done or job.run(self.prefill_chunk_frames), None
+            done = job.done or job.run(self.prefill_chunk_frames)
+            if self.engine.device.type == "cuda":
+                torch.cuda.current_stream(self.engine.device).synchronize()
+            return job, done, None, time.perf_counter() - t0
         except Exception as e:  # a refused begin (bad voice, persona, sampling) or a failed chunk
-            return job, False, e
+            return job, False, e, time.perf_counter() - t0
 
     async def _prefill_idle(self) -> bool:
-        """One prefill piece on its own (no step to ride); False if nobody waits for one."""
+        """One prefill piece on its own; False if nobody waits for one."""
         s = self._prefill_candidate()
         if s is None:
             return False
-        self._after_prefill(s, *await self.compute(self._prefill_piece, s.job, self._begin_args(s)))
+        job, done, error, seconds = await self.compute(self._prefill_piece, s.job, self._begin_args(s))
+        self._piece_s = seconds if self._piece_s == 0.0 else 0.8 * self._piece_s + 0.2 * seconds
+        s.pieces_ms.append(seconds * 1e3)
+        if self.metrics:
+            self.metrics.prefill_piece.observe(seconds)
+        self._after_prefill(s, job, done, error)
         return True
 
     def _after_prefill(self, s: Session, job, done: bool, error: BaseException | None) -> None:
@@ -468,8 +474,8 @@ class ConversationClock:
         ms = (time.perf_counter() - s.prefill_started) * 1e3
         if self.metrics:
             self.metrics.prefill_duration.observe(ms / 1e3)
-        log.info("session %s live in slot %d: %d prompt frames prefilled in %.1f ms",
-                 s.stream_id, s.slot, s.job.total_frames, ms)
+        log.info("session %s live in slot %d: %d prompt frames prefilled in %.1f ms (pieces: %s ms)",
+                 s.stream_id, s.slot, s.job.total_frames, ms, " + ".join(f"{p:.1f}" for p in s.pieces_ms))
         s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, self.engine.output_delay_frames, s.seed))
         s.job = None
         self._maybe_end(s)
