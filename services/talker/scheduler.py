@@ -61,6 +61,7 @@ LAG_FRAMES = 2  # queued frames after the main step from which a tick catches up
 # average must end in time too. (At 96 sessions on the H200, catch-up steps that "fitted" by the
 # bare average ended 1-4 ms past the deadline, tick after tick.)
 STEP_HEADROOM = 0.1
+_IDLE_ROW = (0,) * 8  # the codes of a slot not stepped this tick (masked out by `active`)
 
 
 class BacklogFull(ResourceExhausted):
@@ -356,15 +357,15 @@ class ConversationClock:
 
     async def _step(self, batch: list[Session], catch_up: bool) -> None:
         n = self.engine.num_slots
-        codes = torch.zeros(n, 8, dtype=torch.long)
-        active = torch.zeros(n, dtype=torch.bool)
+        # Plain lists, then one tensor each: a torch call per session cost 3 ms per tick at 160.
+        rows, act = [_IDLE_ROW] * n, [False] * n
         taken: list[tuple[Session, int]] = []
         for s in batch:
             seq, frame = s.inputs.popleft()
-            codes[s.slot] = torch.tensor(frame, dtype=torch.long)
-            active[s.slot] = True
+            rows[s.slot], act[s.slot] = frame, True
             s.stepping = True
             taken.append((s, seq))
+        codes, active = torch.tensor(rows, dtype=torch.long), torch.tensor(act, dtype=torch.bool)
         slots = [s.slot for s, _ in taken]
         self.pool.pin(slots)
         t0 = time.perf_counter()
