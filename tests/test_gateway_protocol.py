@@ -192,3 +192,21 @@ async def test_cells_from_dns_name_use_the_configured_ports():
         assert pool.candidates() == [] and not pool.healthy()
     finally:
         await pool.stop()
+
+
+async def test_a_failed_write_to_the_next_stage_is_that_stages_failure():
+    """A pump's write into the next stage's stream fails when that stage is gone (here: a real
+    gRPC stream to a port nobody serves). The failure is the next stage's, so the session's
+    cleanup does not wait for a confirmation the dead stage can never give."""
+    import grpc
+
+    from duplex.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
+    from services.gateway.pipeline import PipelineError, _to
+    from tools.procs import free_port
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as channel:
+        call = decoder_pb2_grpc.DecoderStub(channel).Decode()
+        with pytest.raises(PipelineError) as e:
+            await _to("decoder", call.write(decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=0, codes=[0] * 8))))
+    assert e.value.stage == "decoder" and e.value.code == "runtime_stream_failed"
+    assert e.value.message.startswith("decoder stream failed: ")

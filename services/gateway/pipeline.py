@@ -118,6 +118,22 @@ def _grpc_error(e: BaseException) -> tuple[str, str]:
     return type(e).__name__, str(e)
 
 
+def _stream_failed(stage: str, e: BaseException) -> PipelineError:
+    return PipelineError("runtime_stream_failed", f"{stage} stream failed: {' '.join(_grpc_error(e))}".strip(), stage)
+
+
+async def _to(stage: str, write) -> None:
+    """A pump's write to the next stage's stream: its failure is that stage's, not the pump's.
+    (A killed decoder used to surface as "talker stream failed: RPC already finished" from the
+    talker pump's write, and the dead decoder then counted as an unconfirmed cleanup.)"""
+    try:
+        await write
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _stream_failed(stage, e) from None
+
+
 class Pipeline:
     def __init__(self, cell: Cell, params: OpenParams, calls: dict, ready: talker_pb2.TalkReady, stall_timeout_s: float, cleanup_timeout_s: float):
         self.cell = cell
@@ -233,7 +249,7 @@ class Pipeline:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            err = e if isinstance(e, PipelineError) else PipelineError("runtime_stream_failed", f"{stage} stream failed: {' '.join(_grpc_error(e))}".strip(), stage)
+            err = e if isinstance(e, PipelineError) else _stream_failed(stage, e)
             if self._aborting:  # the session is already ending: nothing to report to the client
                 log.info("session %s: %s stream ended during abort: %s", self.params.stream_id, stage, err.message)
                 return
@@ -244,9 +260,9 @@ class Pipeline:
         while (resp := await enc.read()) is not _EOF:
             codes = resp.codes
             if not self._aborting:
-                await talk.write(talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes)))
+                await _to("talker", talk.write(talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes))))
         await self._expect_ok("encoder")
-        await talk.done_writing()
+        await _to("talker", talk.done_writing())
 
     async def _pump_talker(self) -> None:
         talk, dec = self._calls["talker"], self._calls["decoder"]
@@ -255,9 +271,9 @@ class Pipeline:
             if self._aborting:
                 continue
             self._text[out.seq] = (out.input_seq, out.text_piece)
-            await dec.write(decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes)))
+            await _to("decoder", dec.write(decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes))))
         await self._expect_ok("talker")
-        await dec.done_writing()
+        await _to("decoder", dec.done_writing())
 
     async def _pump_decoder(self) -> None:
         dec = self._calls["decoder"]
