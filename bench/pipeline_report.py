@@ -57,6 +57,8 @@ DEFINITIONS = {
     "talker_tick": "one conversation-clock tick that stepped, from its deadline to its last step's outputs "
                    "(input wait, main batched step, catch-up steps; prefill runs after it, in the slack)",
     "talker_prefill_piece": "one prefill piece (begin and/or a prompt chunk) run in a period's slack, on the device",
+    "talker_step_device": "GPU time of one graphed talker step (CUDA events around the replay; none on the CPU); "
+                          "the step's wall time minus this is host time and waiting",
     "pass": "talker ticks <= 80 ms for >= 99% (exact: 80 ms is a bucket bound), every session admitted, no "
             "session/stage error or backlog refusal, every owed output frame delivered, and no growing backlog "
             "(mean frames in flight grows less than backlog_growth_frames over the run)",
@@ -115,6 +117,7 @@ def _talker_block(before: dict, after: dict) -> dict:
         "catch_up_steps": int(counter_delta(before, after, "duplex_talker_catch_up_steps")),
         "backlog_refusals": int(counter_delta(before, after, "duplex_talker_backlog_refusals")),
         "prefill_piece_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_prefill_piece_seconds")),
+        "step_device_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_device_seconds")),
     }
 
 
@@ -278,6 +281,11 @@ def print_table(result: dict) -> None:
     for r in result["runs"]:
         if r.get("probes"):
             print(probe_line(r))
+        dev = ((r.get("talker") or {}).get("step_device_ms")) or {}
+        if dev.get("count"):
+            wall = (r["stages"].get("talker") or {}).get("step_ms", {})
+            print(f"N={r['sessions']} talker step p50/p99: wall {wall.get('p50')}/{wall.get('p99')} ms, "
+                  f"GPU (events around the graph) {dev['p50']}/{dev['p99']} ms")
     print(f"largest passing N: {result['largest_passing_sessions']}")
     print()
 

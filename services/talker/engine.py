@@ -255,8 +255,11 @@ class TalkerEngine:
         # wider top-k (or none, 0) is refused at begin(); the defaults (25 / 250) are well inside.
         self.graph_top_k = (min(GRAPH_TEXT_TOP_K, self.text_card), self.card) if cuda_graph else None
         self._graphs: dict[tuple[int, int], tuple] = {}  # (text max_k, audio max_k) -> graph, inputs, outputs
+        # Events around each step replay: the step's GPU time, apart from the host's (last_step_device_s).
+        self._replay_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda_graph else None
+        self._replayed = False  # whether the last step() ran the graph (an all-idle step does not)
         # With cuda_graph, a prefill chunk too is one graph replay (captured by warmup): eagerly it is
-        # a few thousand kernel launches, tens of ms of host time that would stretch the tick it rides.
+        # a few thousand kernel launches, tens of ms of host time.
         self.prefill_graph_frames = PREFILL_GRAPH_FRAMES
         self._prefill_graph: _PrefillGraph | None = None
         self._voice_kv: dict[str, _VoicePrefix] = {}
@@ -339,6 +342,7 @@ class TalkerEngine:
                 or tuple(user_codes.shape) != (S, AGENT_CODEBOOKS)):
             raise ValueError(f"user_codes must be a LongTensor[{S}, {AGENT_CODEBOOKS}], got "
                              f"{getattr(user_codes, 'shape', user_codes)!r} {getattr(user_codes, 'dtype', '')}")
+        self._replayed = False
         act_list = active.tolist()
         not_live = [i for i, a in enumerate(act_list) if a and not self._live[i]]
         if not_live:
@@ -353,6 +357,14 @@ class TalkerEngine:
         if self.cuda_graph:
             return self._replay(user_codes, active)
         return self._advance(user_codes.to(dev, non_blocking=True), active.to(dev, non_blocking=True))
+
+    def last_step_device_s(self) -> float | None:
+        """GPU time of the last graphed step, in seconds (None without a graph). Call it once the
+        step's outputs are on the host: it waits for the step otherwise."""
+        if self._replay_events is None or not self._replayed:
+            return None
+        start, end = self._replay_events
+        return start.elapsed_time(end) / 1e3
 
     def _replay(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
         """step() through a captured graph. Capture and its warm-up run with every slot inactive,
@@ -374,7 +386,11 @@ class TalkerEngine:
         graph, codes, act, out = self._graphs[key]
         codes.copy_(user_codes, non_blocking=True)
         act.copy_(active, non_blocking=True)
+        start, end = self._replay_events
+        start.record()
         graph.replay()
+        end.record()
+        self._replayed = True
         return StepResult(out.text_tokens.clone(), out.agent_codes.clone(), out.has_output.clone())
 
     def _advance(self, codes: torch.Tensor, act: torch.Tensor) -> StepResult:

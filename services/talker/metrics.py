@@ -37,6 +37,10 @@ class TalkerMetrics:
                                        buckets=LATENESS_BUCKETS, registry=r)
         self.prefill_duration = Histogram("duplex_talker_prefill_seconds", "Open to prompt-in-slot, wall time",
                                           buckets=PREFILL_BUCKETS, registry=r)
+        self.step_device = Histogram("duplex_talker_step_device_seconds",
+                                     "GPU time of one graphed step (CUDA events around the replay); the step's wall "
+                                     "time (duplex_stage_step_seconds) minus this is host time and waiting",
+                                     buckets=TICK_BUCKETS, registry=r)
         self.prefill_piece = Histogram("duplex_talker_prefill_piece_seconds",
                                        "One prefill piece (begin and/or a prompt chunk) in a period's slack, on the device",
                                        buckets=TICK_BUCKETS, registry=r)

@@ -114,7 +114,7 @@ class Session:
     out_seq: int = 0
     prefill_started: float = 0.0
     last_input_at: float = float("-inf")  # loop time of its latest input frame
-    pieces_ms: list = field(default_factory=list)  # wall time of each of its prefill pieces
+    pieces_ms: list = field(default_factory=list)  # per prefill piece: (total, begin, launch, device wait) ms
 
 
 class ConversationClock:
@@ -387,7 +387,9 @@ class ConversationClock:
             self.metrics.frames_advanced.inc(len(taken))
             if catch_up:
                 self.metrics.catch_up_steps.inc()
-        tokens, agent, has_out, pieces = result
+        tokens, agent, has_out, pieces, device_s = result
+        if self.metrics and device_s is not None:
+            self.metrics.step_device.observe(device_s)
         for s, seq in taken:
             if s.closed:
                 continue  # closed while its step ran: the output has nowhere to go
@@ -401,13 +403,14 @@ class ConversationClock:
         r = self.engine.step(codes, active)
         packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
         host = packed.cpu()
+        device_s = self.engine.last_step_device_s()
         rows = host.tolist()
         tokens = [row[0] for row in rows]
         agent = [row[1:-1] for row in rows]
         has_out = [bool(row[-1]) for row in rows]
         act = active.tolist()
         pieces = [self.engine.text_piece(t) if act[i] and has_out[i] else "" for i, t in enumerate(tokens)]
-        return tokens, agent, has_out, pieces
+        return tokens, agent, has_out, pieces, device_s
 
     # ---- prefill ----------------------------------------------------------------------------
 
@@ -436,26 +439,34 @@ class ConversationClock:
     def _prefill_piece(self, job, begin_args: tuple):
         """On the compute thread: begin() if the session has no job yet, then one chunk of up to
         prefill_chunk_frames, waited for on the GPU (its time is what the slack must hold).
-        Returns (job, done, error, seconds); errors are the session's, not the clock's."""
+        Returns (job, done, error, seconds) with seconds = (total, begin, chunk launch, device
+        wait): what a piece costs, split where the host and the GPU each spend it. Errors are the
+        session's, not the clock's."""
         t0 = time.perf_counter()
+        t_begin = t_launch = t0
         try:
             if job is None:
                 job = self.engine.begin(*begin_args)
+            t_begin = time.perf_counter()
             done = job.done or job.run(self.prefill_chunk_frames)
+            t_launch = time.perf_counter()
             if self.engine.device.type == "cuda":
                 torch.cuda.current_stream(self.engine.device).synchronize()
-            return job, done, None, time.perf_counter() - t0
+            error = None
         except Exception as e:  # a refused begin (bad voice, persona, sampling) or a failed chunk
-            return job, False, e, time.perf_counter() - t0
+            done, error = False, e
+        t = time.perf_counter()
+        return job, done, error, (t - t0, t_begin - t0, max(0.0, t_launch - t_begin), max(0.0, t - max(t_launch, t_begin)))
 
     async def _prefill_idle(self) -> bool:
         """One prefill piece on its own; False if nobody waits for one."""
         s = self._prefill_candidate()
         if s is None:
             return False
-        job, done, error, seconds = await self.compute(self._prefill_piece, s.job, self._begin_args(s))
+        job, done, error, split = await self.compute(self._prefill_piece, s.job, self._begin_args(s))
+        seconds = split[0]
         self._piece_s = seconds if self._piece_s == 0.0 else 0.8 * self._piece_s + 0.2 * seconds
-        s.pieces_ms.append(seconds * 1e3)
+        s.pieces_ms.append(tuple(x * 1e3 for x in split))
         if self.metrics:
             self.metrics.prefill_piece.observe(seconds)
         self._after_prefill(s, job, done, error)
@@ -475,8 +486,9 @@ class ConversationClock:
         ms = (time.perf_counter() - s.prefill_started) * 1e3
         if self.metrics:
             self.metrics.prefill_duration.observe(ms / 1e3)
-        log.info("session %s live in slot %d: %d prompt frames prefilled in %.1f ms (pieces: %s ms)",
-                 s.stream_id, s.slot, s.job.total_frames, ms, " + ".join(f"{p:.1f}" for p in s.pieces_ms))
+        log.info("session %s live in slot %d: %d prompt frames prefilled in %.1f ms (pieces, ms: %s)",
+                 s.stream_id, s.slot, s.job.total_frames, ms,
+                 " + ".join(f"{t:.1f} [begin {b:.1f}, launch {c:.1f}, device wait {w:.1f}]" for t, b, c, w in s.pieces_ms))
         s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, self.engine.output_delay_frames, s.seed))
         s.job = None
         self._maybe_end(s)
