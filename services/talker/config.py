@@ -51,6 +51,10 @@ class TalkerConfig:
     # Most prompt frames one prefill chunk runs (in a period's slack); with cuda_graph also the length
     # of the captured chunk (shorter ones are padded to it).
     prefill_chunk_frames: int = 64
+    # How far past the next deadline a prefill piece may end (0 = it must end before it): at most
+    # so far that the next tick, starting that much late, still ends within its period by the
+    # measured step. A piece that does not fit either way waits (two periods at most).
+    prefill_overrun_ms: float = 0.0
     # Voices (comma-separated basenames, e.g. "NATF2.pt,NATM1.pt") whose KV prefix is computed at
     # start instead of by the first session that asks for one. Each costs its frames of KV (about
     # 0.27 MB per frame at full size, fp8) for the life of the process.
@@ -80,6 +84,8 @@ class TalkerConfig:
             raise ValueError(f"context must be >= 0 (0 = the checkpoint's), got {self.context}")
         if self.prefill_chunk_frames < 1:
             raise ValueError(f"prefill_chunk_frames must be >= 1, got {self.prefill_chunk_frames}")
+        if not 0.0 <= self.prefill_overrun_ms < self.tick_ms:
+            raise ValueError(f"prefill_overrun_ms must be in [0, tick_ms), got {self.prefill_overrun_ms}")
         if self.max_persona_chars < 1:
             raise ValueError(f"max_persona_chars must be >= 1, got {self.max_persona_chars}")
 

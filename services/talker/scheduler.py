@@ -22,7 +22,9 @@ Prefill runs after the tick's outputs, in the slack before the next deadline: on
 (begin() and up to prefill_chunk_frames prompt frames of the oldest waiting session) when the
 measured piece time (an EMA, plus a tenth of the period) fits, more while they fit, and one
 even when it does not fit if the prompt has made no progress for two periods (so a full
-clock delays a new session instead of starving it). A piece used to ride behind the main step
+clock delays a new session instead of starving it). With prefill_overrun_s a piece also fits
+when it ends at most that far past the deadline and the next tick, starting that late, still
+ends within its period by the measured step. A piece used to ride behind the main step
 to hide its launch time; on the H200 at 128 full-context sessions that stretched the step from
 45 to about 80 ms for the two ticks of every opening session, 3 % of all ticks (bench/results).
 When no session is live, prefill runs in whole chunks while the clock sleeps.
@@ -119,8 +121,10 @@ class Session:
 
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
-                 prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, metrics=None):
+                 prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, prefill_overrun_s: float = 0.0,
+                 metrics=None):
         self.engine = engine
+        self.prefill_overrun_s = prefill_overrun_s
         self.input_wait_s = input_wait_s
         self.pool = pool
         self.tick_s = tick_s
@@ -430,11 +434,20 @@ class ConversationClock:
         waiting prompt has made no progress for two periods (module doc)."""
         loop = asyncio.get_running_loop()
         while self._prefill_waiting():
-            fits = loop.time() + self._piece_s + STEP_HEADROOM * self.tick_s <= period_end
-            starving = loop.time() - self._prefill_progress > 2 * self.tick_s
-            if not (fits or starving):
+            if not (self._piece_fits(loop.time(), period_end)
+                    or loop.time() - self._prefill_progress > 2 * self.tick_s):  # starving
                 return
             await self._prefill_idle()
+
+    def _piece_fits(self, now: float, period_end: float) -> bool:
+        """Whether a piece started now (its measured time plus the headroom) ends before period_end,
+        or, with prefill_overrun_s, ends at most that far past it and early enough that the next
+        tick, started that late, still ends within its period by the measured step."""
+        headroom = STEP_HEADROOM * self.tick_s
+        end = now + self._piece_s + headroom
+        if end <= period_end:
+            return True
+        return end <= period_end + self.prefill_overrun_s and end + self._step_s <= period_end + self.tick_s
 
     def _prefill_piece(self, job, begin_args: tuple):
         """On the compute thread: begin() if the session has no job yet, then one chunk of up to
