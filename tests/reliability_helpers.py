@@ -1,8 +1,7 @@
 """Small shared pieces of the reliability suite (tests/test_reliability_*.py).
 
-- audio: `tone`, `pcm16_b64`, `f32_b64` (test input that is never silent);
-- `RT`: an async raw Realtime client that records every event and checks its envelope
-  (a trimmed copy of the one in test_gateway_e2e.py, so those tests stay theirs);
+- audio and the async client come from tests/realtime_client.py (`tone`, `pcm16_b64`, `f32_b64`,
+  `RT`), re-exported here;
 - `SyncRT`: the same over websockets' sync client, for hypothesis (which runs sync tests);
 - `Feeder`: a background thread holding one paced session open and counting its output,
   the "other session that must keep going" of every test here;
@@ -13,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import threading
 import time
@@ -23,30 +21,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as sync_connect
 
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
+from tests.realtime_client import FRAME, RT, SR, check_envelope, f32_b64, pcm16_b64, tone  # noqa: F401 (re-exported)
 
-SR, FRAME = 24_000, 1920
 OUTPUT_EVENTS = ("response.created", "response.output_audio.delta", "response.output_audio_transcript.delta")
 _STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub, "decoder": decoder_pb2_grpc.DecoderStub}
-
-
-def tone(frames: int, f0: float = 220.0, seed: int = 0) -> np.ndarray:
-    """Non-silent test speech stand-in: a gliding tone plus a little noise (float32, 24 kHz)."""
-    t = np.arange(frames * FRAME) / SR
-    rng = np.random.default_rng(seed)
-    return (0.3 * np.sin(2 * np.pi * f0 * t * (1 + 0.5 * t)) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
-
-
-def pcm16_b64(x: np.ndarray) -> str:
-    return base64.b64encode((np.clip(x, -1, 1) * 32767).round().astype("<i2").tobytes()).decode()
-
-
-def f32_b64(x: np.ndarray) -> str:
-    return base64.b64encode(np.asarray(x, "<f4").tobytes()).decode()
 
 
 def append(x: np.ndarray, fmt: str = "pcm16") -> dict:
@@ -118,71 +100,6 @@ async def async_wait_until(predicate, timeout: float = 20.0, period: float = 0.1
 
 # ---- clients --------------------------------------------------------------------------------
 
-def _check_envelope(ev: dict, last_seq: int) -> int:
-    assert isinstance(ev.get("event_id"), str) and ev["event_id"], ev
-    assert ev["server_event_seq"] > last_seq, "server_event_seq must increase"
-    return ev["server_event_seq"]
-
-
-class RT:
-    """Async raw Realtime client: records every event, checks the envelope of each."""
-
-    def __init__(self, ws):
-        self.ws, self.events, self.last_seq = ws, [], 0
-
-    @classmethod
-    async def connect(cls, url: str, **kw) -> "RT":
-        return cls(await connect(url, max_size=None, open_timeout=60, **kw))
-
-    async def send(self, event: dict) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def recv(self, timeout: float = 60.0) -> dict:
-        ev = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
-        self.last_seq = _check_envelope(ev, self.last_seq)
-        self.events.append(ev)
-        return ev
-
-    async def until(self, type_: str, timeout: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            ev = await self.recv(max(0.01, deadline - time.monotonic()))
-            if ev["type"] == type_:
-                return ev
-            assert ev["type"] != "error", ev
-
-    async def open(self, **session) -> dict:
-        """session.update; returns the first answer (session.created, or the refusal)."""
-        await self.send({"type": "session.update", "session": {"type": "realtime", **session}})
-        return await self.recv(120)
-
-    def of(self, type_: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == type_]
-
-    @property
-    def frames(self) -> int:
-        return len(self.of("response.output_audio.delta"))
-
-    async def wait_frames(self, k: int, timeout: float = 60.0) -> int:
-        """Read until at least k output frames arrived (an error event fails the test)."""
-        deadline = time.monotonic() + timeout
-        while self.frames < k and time.monotonic() < deadline:
-            try:
-                ev = await self.recv(deadline - time.monotonic())
-            except asyncio.TimeoutError:
-                break
-            assert ev["type"] != "error", ev
-        return self.frames
-
-    async def close(self) -> dict:
-        """session.close -> response.done -> session.closed; returns session.closed."""
-        await self.send({"type": "session.close"})
-        await self.until("response.done", 120)
-        closed = await self.until("session.closed", 60)
-        await self.ws.close()
-        return closed
-
-
 class SyncRT:
     """The same client on websockets' sync API (hypothesis tests are sync functions)."""
 
@@ -196,7 +113,7 @@ class SyncRT:
 
     def recv(self, timeout: float = 30.0) -> dict:
         ev = json.loads(self.ws.recv(timeout))
-        self.last_seq = _check_envelope(ev, self.last_seq)
+        self.last_seq = check_envelope(ev, self.last_seq)
         self.events.append(ev)
         return ev
 

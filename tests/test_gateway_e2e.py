@@ -21,74 +21,12 @@ import sphn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from tests.realtime_client import FRAME, RT, SR, pcm16_b64, tone
 from tools.procs import REPO_ROOT, free_port
 from tools.run_stack import GatewayProcess, Stack
 
-SR, FRAME = 24_000, 1920
 # This machine is shared and slow: generous bounds for "a stage is stalled" and for opening.
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
-
-
-def tone(frames: int, f0: float = 220.0, seed: int = 0) -> np.ndarray:
-    """Non-silent test speech stand-in: a gliding tone plus a little noise."""
-    t = np.arange(frames * FRAME) / SR
-    rng = np.random.default_rng(seed)
-    return (0.3 * np.sin(2 * np.pi * f0 * t * (1 + 0.5 * t)) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
-
-
-def pcm16_b64(x: np.ndarray) -> str:
-    return base64.b64encode((np.clip(x, -1, 1) * 32767).round().astype("<i2").tobytes()).decode()
-
-
-class RT:
-    """A raw Realtime client that records every event and checks the envelope of each."""
-
-    def __init__(self, ws):
-        self.ws = ws
-        self.events: list[dict] = []
-        self.last_seq = 0
-
-    @classmethod
-    async def connect(cls, url: str, headers: dict | None = None) -> "RT":
-        return cls(await connect(url, additional_headers=headers or {}, max_size=None))
-
-    async def send(self, event: dict) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def recv(self, timeout: float = 60.0) -> dict:
-        ev = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
-        assert isinstance(ev.get("event_id"), str) and ev["event_id"]
-        assert ev["server_event_seq"] > self.last_seq, "server_event_seq must increase"
-        self.last_seq = ev["server_event_seq"]
-        self.events.append(ev)
-        return ev
-
-    async def until(self, type_: str, timeout: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            ev = await self.recv(max(0.01, deadline - time.monotonic()))
-            if ev["type"] == type_:
-                return ev
-            assert ev["type"] != "error", ev
-
-    async def open(self, **session) -> dict:
-        await self.send({"type": "session.update", "session": {"type": "realtime", **session}})
-        created = await self.recv(120)
-        return created
-
-    def of(self, type_: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == type_]
-
-    def audio(self) -> np.ndarray:
-        chunks = [np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in self.of("response.output_audio.delta")]
-        return (np.concatenate(chunks).astype(np.float32) / 32768) if chunks else np.zeros(0, np.float32)
-
-    async def close(self) -> tuple[dict, dict]:
-        await self.send({"type": "session.close"})
-        done = await self.until("response.done", 120)
-        closed = await self.until("session.closed", 60)
-        await self.ws.close()
-        return done, closed
 
 
 async def paced(rt: RT, x: np.ndarray, period_s: float = FRAME / SR) -> None:
@@ -106,17 +44,6 @@ async def drain(rt: RT, seconds: float) -> None:
             await rt.recv(deadline - time.monotonic())
     except asyncio.TimeoutError:
         pass
-
-
-async def wait_frames(rt: RT, k: int, timeout: float = 90.0) -> None:
-    """Read until the session has at least k output frames (the shared machine may be slow)."""
-    deadline = time.monotonic() + timeout
-    while len(rt.of("response.output_audio.delta")) < k and time.monotonic() < deadline:
-        try:
-            ev = await rt.recv(deadline - time.monotonic())
-        except asyncio.TimeoutError:
-            break
-        assert ev["type"] != "error", ev
 
 
 def check_output(rt: RT, min_frames: int) -> None:
@@ -192,7 +119,7 @@ async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(s
 
     n = 12
     await asyncio.gather(paced(a, tone(n, 220)), paced(b, tone(n, 330, seed=1)))
-    await asyncio.gather(wait_frames(a, n - 2), wait_frames(b, n - 2))
+    await asyncio.gather(a.wait_frames(n - 2), b.wait_frames(n - 2))
     done, closed = await a.close()
     assert done["response"]["status"] == "completed" and closed["cleanup_confirmed"] is True
     check_output(a, min_frames=n // 2)
@@ -210,7 +137,7 @@ async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(s
     assert created["type"] == "session.created", created
     assert created["session"]["instructions"] == "You are Dora." and created["session"]["voice"] == "NATM1.pt"
     await asyncio.gather(paced(d, tone(n, 440, seed=2)), paced(b, tone(n, 330, seed=3)))
-    await asyncio.gather(wait_frames(d, n - 2), wait_frames(b, 2 * n - 2))
+    await asyncio.gather(d.wait_frames(n - 2), b.wait_frames(2 * n - 2))
     check_output(d, min_frames=n // 2)
     assert len(b.of("response.output_audio.delta")) > b_frames_before + n // 2, "b stalled while a closed and d opened"
     ids_d = {e["response_id"] for e in d.of("response.output_audio.delta")}
@@ -257,7 +184,7 @@ async def test_malformed_input_gets_one_typed_error_and_the_next_append_works(st
     await rt.send({"type": "session.heartbeat", "event_id": "hb1"})
     ack = await rt.until("session.heartbeat_ack", 30)  # (fails on any further error event)
     assert ack["client_event_id"] == "hb1"
-    await wait_frames(rt, len(bad) - 1)
+    await rt.wait_frames(len(bad) - 1)
     errors = rt.of("error")
     assert len(errors) == len(bad), errors  # exactly one error per bad message, none for the good ones
     done, closed = await rt.close()
@@ -445,7 +372,7 @@ async def test_a_client_that_never_reads_is_cut_off_and_others_go_on(stack):
         assert await cutoffs() == 1
         n = len(good.of("response.output_audio.delta"))
         await paced(good, tone(4))
-        await wait_frames(good, n + 3)
+        await good.wait_frames(n + 3)
         await good.close()
     finally:
         gw.stop()

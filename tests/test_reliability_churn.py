@@ -77,7 +77,7 @@ async def _cycle(url: str, kind: str, rng: random.Random, stats: dict) -> None:
     for i in range(frames):
         await rt.send(append(x[i * FRAME : (i + 1) * FRAME]))
     if kind == "close":
-        closed = await rt.close()
+        _, closed = await rt.close()
         assert closed["frames_in"] == frames and closed["frames_out"] <= frames and closed["cleanup_confirmed"] is True, closed
     elif kind == "ws_close":  # a clean WebSocket close without session.close
         await rt.ws.close()
@@ -149,7 +149,7 @@ async def test_a_session_runs_many_windows_past_the_talker_context(stack, idle):
         else:
             assert (await rt.recv(60))["type"] != "error"
     assert await rt.wait_frames(n - delay, 120) == n - delay
-    closed = await rt.close()
+    _, closed = await rt.close()
     assert closed["frames_in"] == n and closed["frames_out"] == n - delay == rt.frames, closed
     assert len(rt.of("response.output_audio_transcript.delta")) == rt.frames
     y = np.concatenate([np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in rt.of("response.output_audio.delta")])
@@ -168,7 +168,7 @@ async def test_a_burst_under_the_backlog_bound_is_paced_not_dropped(stack, idle)
     n = 16
     await rt.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(n, 260))})
     assert await rt.wait_frames(n - delay, 60) == n - delay
-    closed = await rt.close()
+    _, closed = await rt.close()
     assert closed["frames_in"] == n and closed["frames_out"] == n - delay, closed
 
 

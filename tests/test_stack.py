@@ -7,7 +7,6 @@ The stack runs with a 20 ms talker clock so a few hundred frames fit in a test.
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import re
 import signal
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 from duplex.v1 import common_pb2, encoder_pb2_grpc, talker_pb2_grpc
-from tests.test_gateway_e2e import RT, pcm16_b64, tone, wait_frames
+from tests.realtime_client import RT, pcm16_b64, tone
 from tools.procs import REPO_ROOT, free_port
 
 TICK_S = 0.02
@@ -146,7 +145,7 @@ async def test_output_never_runs_ahead_of_input_over_hundreds_of_frames(run_stac
         out = len(rt.of("response.output_audio.delta"))
         assert out <= sent, "output ran ahead of input"
         max_lag = max(max_lag, sent - out)
-    await wait_frames(rt, n - delay, timeout=120)
+    await rt.wait_frames(n - delay, timeout=120)
     done, closed = await rt.close()
     out = len(rt.of("response.output_audio.delta"))
     # Every input frame past the model's delay produced exactly one output frame; none more.
@@ -189,7 +188,7 @@ async def test_sessions_spread_over_cells_and_a_killed_cell_fails_only_its_sessi
             await asyncio.sleep(0.08)
 
     feeders = [asyncio.create_task(feed(s)) for s in (s1, s2)]
-    await asyncio.gather(wait_frames(s1, 3), wait_frames(s2, 3))
+    await asyncio.gather(s1.wait_frames(3), s2.wait_frames(3))
 
     # Kill cell 0's talker. Its session gets a typed server_error within a second; the other goes on.
     victim_pid = run_stack.pid_of(0, "talker")
