@@ -593,6 +593,40 @@ async def test_a_prefill_piece_overruns_the_deadline_only_as_far_as_the_next_tic
         await clock.stop()
 
 
+async def test_the_clock_ticks_on_the_cells_frame_grid(tiny_checkpoint):
+    """Deadlines are k * tick_s + tick_phase_s of the monotonic clock (services/common/frame_grid.py),
+    whenever the clock started: a phased encoder in another process steps just before them."""
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.scheduler import ConversationClock
+
+    loop = asyncio.get_running_loop()
+    period = 0.08
+    for phase in (0.03, 0.065):  # two phases: a clock off the grid cannot pass both by chance
+        clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=period,
+                                  max_backlog_frames=25, tick_phase_s=phase)
+        starts = []
+        tick = clock._tick
+
+        async def recorded(period_end, tick=tick, starts=starts):
+            starts.append(loop.time())
+            return await tick(period_end)
+
+        clock._tick = recorded
+        sess = clock.open("a", 0, None, "", SamplingParams(greedy=True, seed=1), 1)
+        await asyncio.sleep(0.017)  # start the clock off the grid
+        clock.start()
+        try:
+            for i, f in enumerate(user_frames(6, 2)):
+                clock.push(sess, i, f)
+                await asyncio.sleep(period)
+            offsets = [(t - phase) % period for t in starts]
+            assert len(starts) >= 4 and all(o < 0.015 for o in offsets), offsets  # on the grid, a little late at most
+        finally:
+            clock.close(sess)
+            await clock.stop()
+
+
 async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_no_wait(tiny_checkpoint):
     """input_wait: a talking session whose frame arrives a few ms after the deadline is stepped in
     that tick's one step (without the wait it is skipped or needs a catch-up step). A session that

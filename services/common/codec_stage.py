@@ -16,6 +16,10 @@ state bit for bit) but captures the CUDA graph (cuda_graph) and does the lazy CU
 then, on CUDA, synchronize and empty_cache hand back the cached blocks of the capture's eager
 warm-up steps.
 
+With step_phase_ms the batcher is phased: it steps once per frame period at a fixed point of
+the cell's frame grid (services/common/frame_grid.py) with every frame pending then, so its GPU
+work lands between the talker's steps instead of inside them.
+
 CodecStream.serve: one bidirectional stream, the same for both services:
 open -> slot (reset) -> `opened`; then per frame: seq check, payload check,
 batched step, one response with the same seq; end/cancel/error -> slot released
@@ -35,9 +39,26 @@ import grpc
 import torch
 
 from services.common.errors import Internal, InvalidArgument, StageError
-from services.common.stage_server import StageRpcs, StageRuntime, StageServer, freeze_startup_heap
+from services.common.frame_grid import next_grid_time
+from services.common.stage_server import FRAME_MS, StageRpcs, StageRuntime, StageServer, freeze_startup_heap
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x[slots,...], active[slots]) -> out[slots,...]
+
+
+# Phased batcher, backlog test: a frame submitted this soon after its stream's previous answer
+# (so it was already waiting in the stream) while the stream is at least half a period behind its
+# own best pace (first frame + n periods) comes from a backlog, e.g. a network stall's burst, and
+# is stepped at once instead of at the grid time. A stream that merely paused and resumed sends
+# its frames on their own (not at once after an answer) and keeps to the grid.
+BACKLOG_GAP_S = 0.005
+
+
+@dataclass
+class _Pace:
+    first: float  # loop time of the stream's first frame
+    frames: int = 0  # frames submitted so far
+    min_lag: float = 0.0  # least lag behind first + n * period of any frame so far
+    answered: float = float("-inf")  # loop time its latest answer was handed back
 
 
 class CodecBatcher:
@@ -49,6 +70,7 @@ class CodecBatcher:
         in_shape: tuple[int, ...],
         in_dtype: torch.dtype,
         batch_wait_s: float = 0.0,
+        step_phase_s: float | None = None,
     ):
         self.runtime = runtime
         self.pool = runtime.pool
@@ -56,6 +78,12 @@ class CodecBatcher:
         self._step, self._reset = step, reset
         self.in_shape, self.in_dtype = in_shape, in_dtype
         self.batch_wait_s = batch_wait_s
+        # Phased (step_phase_s set): one step per frame period, at k * period + step_phase_s on the
+        # cell's frame grid, instead of on arrival (module doc of services/common/frame_grid.py).
+        self.step_phase_s = step_phase_s
+        self.period_s = runtime.frame_ms / 1000.0
+        self._pace: dict[int, _Pace] = {}  # slot -> its stream's pace (phased: the backlog test)
+        self._urgent = False  # a phased batch holds a frame from a backlog: step now, not at the grid time
         self._pending: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{runtime.stage}-step")
@@ -76,6 +104,7 @@ class CodecBatcher:
 
     async def reset(self, slot: int) -> None:
         """Reset a freshly acquired slot's codec state (on the worker, never during a step)."""
+        self._pace.pop(slot, None)
         self.pool.pin([slot])
         try:
             await asyncio.get_running_loop().run_in_executor(self._worker, self._reset, slot)
@@ -86,10 +115,26 @@ class CodecBatcher:
         """Queue one frame of `slot` for the next batch; returns its output row."""
         if slot in self._pending:
             raise Internal(f"slot {slot} already has a frame pending")
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._pending[slot] = (x, fut)
+        pace = self._pace.setdefault(slot, _Pace(first=loop.time()))
+        if self.step_phase_s is not None and self._behind(pace, loop.time()):
+            # Waiting for the grid would hold a backlog to one frame per period, exactly real
+            # time, and it would never clear.
+            self._urgent = True
+        pace.frames += 1
         self._wake.set()
-        return await fut
+        try:
+            return await fut
+        finally:
+            pace.answered = loop.time()
+
+    def _behind(self, pace: _Pace, now: float) -> bool:
+        """Whether this frame of the stream comes from a backlog (BACKLOG_GAP_S says how we tell)."""
+        lag = now - (pace.first + pace.frames * self.period_s)
+        pace.min_lag = min(pace.min_lag, lag)
+        return now - pace.answered <= BACKLOG_GAP_S and lag - pace.min_lag >= self.period_s / 2
 
     async def warmup(self, device: str | torch.device = "cpu") -> float:
         """One step with every slot inactive, on the worker thread (before `start`); returns its seconds.
@@ -112,6 +157,7 @@ class CodecBatcher:
 
     def discard(self, slot: int) -> None:
         """Drop a pending (not yet stepped) frame of a stream that ended."""
+        self._pace.pop(slot, None)
         item = self._pending.pop(slot, None)
         if item is not None and not item[1].done():
             item[1].cancel()
@@ -132,13 +178,29 @@ class CodecBatcher:
             except asyncio.TimeoutError:
                 return
 
+    async def _until_grid(self, loop) -> None:
+        """Phased: wait for the next grid time, or less if a frame from a backlog arrives."""
+        at = next_grid_time(loop.time(), self.period_s, self.step_phase_s)
+        while not self._urgent:
+            left = at - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.batch_wait_s > 0:
+            if self.step_phase_s is not None:
+                await self._until_grid(loop)
+            elif self.batch_wait_s > 0:
                 await self._gather(loop)
+            self._urgent = False
             batch, self._pending = self._pending, {}
             batch = {s: item for s, item in batch.items() if not item[1].done()}
             if not batch:
@@ -149,9 +211,9 @@ class CodecBatcher:
             try:
                 x = torch.zeros((self.pool.total, *self.in_shape), dtype=self.in_dtype)
                 active = torch.zeros(self.pool.total, dtype=torch.bool)
-                for s in slots:
-                    x[s] = batch[s][0]
-                    active[s] = True
+                index = torch.tensor(slots)
+                x[index] = torch.stack([batch[s][0] for s in slots])  # two calls, not two per stream
+                active[index] = True
                 out = await loop.run_in_executor(self._worker, self._step, x, active)
             except Exception as e:  # a failed step ends the streams in it, not the service
                 self.runtime.log.exception("step failed for slots %s", slots)
@@ -254,11 +316,21 @@ class CodecServiceConfig:
     # After the first pending frame, wait up to this long for other streams' frames (never once all
     # live streams have one pending): fewer, fuller steps for a little latency.
     batch_wait_ms: float = 5.0
+    # -1: step when frames arrive (batch_wait_ms). 0 <= P < 80: step once per frame period, at
+    # k * 80 ms + P of the machine's monotonic clock, the cell's frame grid the talker ticks on
+    # (services/common/frame_grid.py), so this stage's GPU work and the talker's do not overlap;
+    # e.g. an encoder at 65 steps 15 ms before each talker deadline (tick_phase_ms 0). A frame read
+    # at once after its stream's last answer (a backlog) is stepped without waiting.
+    step_phase_ms: float = -1.0
     # CUDA only: replay the codec step as a captured CUDA graph (Mimi's hundreds of small kernels
     # per step: about 15 ms eager, 5.6 ms graphed for 160 streams of the full model on an H200).
     cuda_graph: bool = False
     drain_deadline_s: float = 30.0  # SIGTERM: how long live streams may continue
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.step_phase_ms != -1.0 and not 0.0 <= self.step_phase_ms < FRAME_MS:
+            raise ValueError(f"step_phase_ms must be -1 (off) or in [0, {FRAME_MS}), got {self.step_phase_ms}")
 
 
 def load_mimi(cfg: CodecServiceConfig, keep: str | None = None):
@@ -314,7 +386,8 @@ class CodecService:
         self.runtime = StageRuntime(stage, cfg.slots)
         self.runtime.metrics.track_gpu(cfg.device)  # the duplex_stage_gpu_memory_* gauges (CUDA only)
         self.warmup_s: float | None = None
-        self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype, batch_wait_s=cfg.batch_wait_ms / 1000)
+        self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype, batch_wait_s=cfg.batch_wait_ms / 1000,
+                                    step_phase_s=None if cfg.step_phase_ms < 0 else cfg.step_phase_ms / 1000)
         self.stream = CodecStream(self.runtime, self.batcher, frame_field="frame", parse_frame=parse_frame,
                                   opened=opened, answer=answer)
         servicer = servicer_cls(self.runtime, self.stream)

@@ -17,4 +17,7 @@ class DecoderConfig(CodecServiceConfig):
 
 
 def from_args(argv=None, env=None) -> DecoderConfig:
-    return load_config(DecoderConfig, env_prefix="DECODER_", argv=argv, env=env)
+    try:
+        return load_config(DecoderConfig, env_prefix="DECODER_", argv=argv, env=env)
+    except ValueError as e:  # a value out of its range (__post_init__): a clear exit, not a traceback
+        raise SystemExit(f"decoder config: {e}") from None

@@ -17,4 +17,7 @@ class EncoderConfig(CodecServiceConfig):
 
 
 def from_args(argv=None, env=None) -> EncoderConfig:
-    return load_config(EncoderConfig, env_prefix="ENCODER_", argv=argv, env=env)
+    try:
+        return load_config(EncoderConfig, env_prefix="ENCODER_", argv=argv, env=env)
+    except ValueError as e:  # a value out of its range (__post_init__): a clear exit, not a traceback
+        raise SystemExit(f"encoder config: {e}") from None

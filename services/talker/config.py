@@ -41,6 +41,9 @@ class TalkerConfig:
     # the steady state, measured without waiting minutes for it (bench/pipeline.py --full-context).
     bench_full_context: bool = False
     tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
+    # Deadlines at k * tick_ms + tick_phase_ms of the machine's monotonic clock: the cell's frame
+    # grid (services/common/frame_grid.py), which a phased encoder steps just before.
+    tick_phase_ms: float = 0.0
     # At a tick's deadline, wait up to this long for frames that are due (their session sent one
     # within the last 1.5 periods) but not here yet, while the step still ends before the next
     # deadline: a session whose frames arrive just after the deadline is stepped on time instead
@@ -70,6 +73,8 @@ class TalkerConfig:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if not (1.0 <= self.tick_ms <= 10_000.0):
             raise ValueError(f"tick_ms must be in [1, 10000], got {self.tick_ms}")
+        if not 0.0 <= self.tick_phase_ms < self.tick_ms:
+            raise ValueError(f"tick_phase_ms must be in [0, tick_ms), got {self.tick_phase_ms}")
         if not 0.0 <= self.input_wait_ms < self.tick_ms:
             raise ValueError(f"input_wait_ms must be in [0, tick_ms), got {self.input_wait_ms}")
         if self.max_backlog_s <= 0:

@@ -6,7 +6,8 @@ never touched concurrently. A step's inputs are gathered and the call submitted
 with no `await` in between, so a session closed by the loop is either in a
 step's batch (and its slot stays pinned until that step returns) or in none.
 
-One period of the clock (tick_s, 80 ms):
+One period of the clock (tick_s, 80 ms; deadlines on the cell's frame grid,
+services/common/frame_grid.py, so other processes can place their work around them):
 
     deadline ──▶ wait for due frames: up to input_wait_s for sessions whose frame is
                    due but not here yet (below), never past the step's slack
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.errors import ResourceExhausted
+from services.common.frame_grid import last_grid_time, next_grid_time
 from services.common.slots import SlotPool
 
 log = logging.getLogger("talker.clock")
@@ -122,8 +124,9 @@ class Session:
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
                  prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, prefill_overrun_s: float = 0.0,
-                 metrics=None):
+                 tick_phase_s: float = 0.0, metrics=None):
         self.engine = engine
+        self.tick_phase_s = tick_phase_s  # deadlines at k * tick_s + tick_phase_s (services/common/frame_grid.py)
         self.prefill_overrun_s = prefill_overrun_s
         self.input_wait_s = input_wait_s
         self.pool = pool
@@ -239,7 +242,7 @@ class ConversationClock:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time()
+        deadline = next_grid_time(loop.time(), self.tick_s, self.tick_phase_s)
         while True:
             try:
                 await self._idle_until(deadline)
@@ -257,20 +260,20 @@ class ConversationClock:
                 self.ticks += 1
                 deadline = next_deadline
                 if loop.time() > deadline + self.tick_s:
-                    # Overloaded (a step longer than a period): restart the grid from now rather than
-                    # firing a burst of late ticks; queued input is caught up by the backlog logic.
+                    # Overloaded (a step longer than a period): tick now, on the latest grid time,
+                    # rather than fire a burst of late ticks; queued input is caught up by the backlog logic.
                     self._overruns += 1
                     if loop.time() - self._overrun_logged > 10.0:  # a readable log, not one line per tick
                         log.warning("clock overrun: %d late tick(s) since the last report; a step takes %.1f ms, "
                                     "the period is %.1f ms", self._overruns, self._step_s * 1e3, self.tick_s * 1e3)
                         self._overruns, self._overrun_logged = 0, loop.time()
-                    deadline = loop.time()
+                    deadline = last_grid_time(loop.time(), self.tick_s, self.tick_phase_s)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 # A failed step is a bug or a device error: fail the sessions in the batch, keep ticking.
                 log.exception("clock tick failed")
-                deadline = loop.time() + self.tick_s
+                deadline = next_grid_time(loop.time() + 1e-6, self.tick_s, self.tick_phase_s)
 
     def _note_slow_tick(self, took: float, steps: int) -> None:
         """A tick longer than the period: say what it held (at most one line per 10 s, with a count)."""
