@@ -88,11 +88,13 @@ class BenchConfig:
     # With --mps: the share of the GPU's SMs each codec process may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
     # in its environment), so the codecs' kernels leave SMs to the talker's; 0 = no limit.
     codec_sm_percent: int = 0
-    # >= 0: the encoder steps once per frame period, this many ms into the talker's 80 ms grid
-    # (its deadlines at 0), so their GPU work does not overlap, e.g. 65 (services/common/frame_grid.py)
-    encoder_step_phase_ms: float = -1.0
     talker_args: str = ""  # extra talker flags, e.g. "--max-backlog-s 3"
     codec_args: str = ""  # extra encoder/decoder flags
+    # Extra flags of one codec (after --codec-args), e.g. the phased encoder and a decoder that
+    # steps as soon as a tick's outputs are in: --encoder-args "--step-phase-ms 65"
+    # --decoder-args "--batch-wait-ms 3" (services/common/frame_grid.py)
+    encoder_args: str = ""
+    decoder_args: str = ""
     window_s: float = 10.0  # output-rate windows
     backlog_growth_frames: float = 2.0  # backlog growth over a run above this = falling behind
     ready_timeout_s: float = 240.0
@@ -132,9 +134,6 @@ class BenchConfig:
                              f"{min(self.sweep + self.fallbacks)}")
         if not 0 <= self.codec_sm_percent <= 100 or (self.codec_sm_percent and not self.mps):
             raise SystemExit(f"--codec-sm-percent must be in [0, 100] and needs --mps, got {self.codec_sm_percent}")
-        if self.encoder_step_phase_ms != -1.0 and not 0.0 <= self.encoder_step_phase_ms < 1000 * FRAME_PERIOD_S:
-            raise SystemExit(f"--encoder-step-phase-ms must be -1 (off) or in [0, {1000 * FRAME_PERIOD_S:g}), "
-                             f"got {self.encoder_step_phase_ms}")
         if self.probe_cycle_s < 2 * FRAME_PERIOD_S:
             raise SystemExit(f"--probe-cycle-s must be >= {2 * FRAME_PERIOD_S:g} (first audio needs two input frames)")
 
@@ -306,12 +305,12 @@ def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, li
     if cfg.full_context:
         talker += ["--bench-full-context", "true"]
     # The codecs as deployed (k8s/overlays/gpu): CUDA graphs, and a 20 ms batch wait on the GPU (a
-    # step costs the same for 1 or N streams). --codec-args comes after, so it overrides these.
+    # step costs the same for 1 or N streams). --codec-args and then --encoder-args / --decoder-args
+    # come after, so they override these.
     codec = ["--threads", "1"] + (["--cuda-graph", "true", "--batch-wait-ms", "20"] if cfg.cuda else [])
-    phased = ["--step-phase-ms", str(cfg.encoder_step_phase_ms)] if cfg.encoder_step_phase_ms >= 0 else []
-    return {"encoder": common + codec + phased + shlex.split(cfg.codec_args),
+    return {"encoder": common + codec + shlex.split(cfg.codec_args) + shlex.split(cfg.encoder_args),
             "talker": common + talker + shlex.split(cfg.talker_args),
-            "decoder": common + codec + shlex.split(cfg.codec_args)}
+            "decoder": common + codec + shlex.split(cfg.codec_args) + shlex.split(cfg.decoder_args)}
 
 
 def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict[str, ServiceProcess], dict]:

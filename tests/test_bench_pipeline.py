@@ -252,7 +252,6 @@ def test_stage_timeline_puts_each_interval_gc_time_beside_the_steps():
     (["--smoke", "--sessions", "4", "--fallback-sessions", "1"], "--probe-sessions K needs"),
     (["--smoke", "--probe-cycle-s", "0.1"], "two input frames"),
     (["--smoke", "--codec-sm-percent", "30"], "needs --mps"),
-    (["--smoke", "--encoder-step-phase-ms", "80"], "--encoder-step-phase-ms must be -1"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
@@ -340,10 +339,12 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
         assert (tmp_path / f"pipeline-{stage}.log").exists()
 
 
-def test_a_phased_encoder_gets_its_phase_and_nothing_else_does(tmp_path):
+def test_per_codec_flags_go_to_that_codec_only_and_last(tmp_path):
     from bench.pipeline import parse_args, service_args
 
-    args = service_args(parse_args(["--smoke", "--encoder-step-phase-ms", "65"]), tmp_path, 4)
-    assert args["encoder"][args["encoder"].index("--step-phase-ms") + 1] == "65.0"
-    assert "--step-phase-ms" not in args["decoder"] and "--step-phase-ms" not in args["talker"]
-    assert "--step-phase-ms" not in service_args(parse_args(["--smoke"]), tmp_path, 4)["encoder"]
+    cfg = parse_args(["--smoke", "--codec-args", "--batch-wait-ms 9", "--encoder-args", "--step-phase-ms 65",
+                      "--decoder-args", "--batch-wait-ms 3"])
+    args = service_args(cfg, tmp_path, 4)
+    assert args["encoder"][-4:] == ["--batch-wait-ms", "9", "--step-phase-ms", "65"]
+    assert args["decoder"][-4:] == ["--batch-wait-ms", "9", "--batch-wait-ms", "3"]  # the last wins
+    assert "--step-phase-ms" not in args["decoder"] + args["talker"]
