@@ -162,26 +162,9 @@ class CodecBatcher:
         if item is not None and not item[1].done():
             item[1].cancel()
 
-    async def _gather(self, loop) -> None:
-        """Wait up to batch_wait_s for more frames, but not once every live stream has one pending.
-
-        A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape
-        batch), so a short wait that lets streams of a different phase join saves whole steps."""
-        deadline = loop.time() + self.batch_wait_s
-        while len(self._pending) < len(self.runtime.streams):
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
-                return
-
-    async def _until_grid(self, loop) -> None:
-        """Phased: wait for the next grid time, or less if a frame from a backlog arrives."""
-        at = next_grid_time(loop.time(), self.period_s, self.step_phase_s)
-        while not self._urgent:
+    async def _wait_until(self, loop, at: float, done: Callable[[], bool]) -> None:
+        """Until loop time `at`, or earlier once done() holds (checked whenever a frame comes)."""
+        while not done():
             left = at - loop.time()
             if left <= 0:
                 return
@@ -190,6 +173,19 @@ class CodecBatcher:
                 await asyncio.wait_for(self._wake.wait(), left)
             except asyncio.TimeoutError:
                 return
+
+    async def _gather(self, loop) -> None:
+        """Wait up to batch_wait_s for more frames, but not once every live stream has one pending.
+
+        A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape
+        batch), so a short wait that lets streams of a different phase join saves whole steps."""
+        await self._wait_until(loop, loop.time() + self.batch_wait_s,
+                               lambda: len(self._pending) >= len(self.runtime.streams))
+
+    async def _until_grid(self, loop) -> None:
+        """Phased: wait for the next grid time, or less if a frame from a backlog arrives."""
+        await self._wait_until(loop, next_grid_time(loop.time(), self.period_s, self.step_phase_s),
+                               lambda: self._urgent)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
