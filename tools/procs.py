@@ -43,11 +43,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the kernel's pick for port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that was free a moment ago (the kernel's pick for port 0), never one this process
+    handed out before: the kernel can pick a closed port again, and two services of a stack
+    given the same port would have one answer for both (its health check passes for either)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no fresh free port after 100 tries")
 
 
 def health_status(address: str, service: str = "", timeout: float = 1.0) -> int | None:
