@@ -27,7 +27,7 @@ clock delays a new session instead of starving it). With prefill_overrun_s a pie
 when it ends at most that far past the deadline and the next tick, starting that late, still
 ends within its period by the measured step. A piece used to ride behind the main step
 to hide its launch time; on the H200 at 128 full-context sessions that stretched the step from
-45 to about 80 ms for the two ticks of every opening session, 3 % of all ticks (bench/results).
+45 to about 80 ms on the tick each opening session's prompt rode, 3 % of all ticks (bench/results).
 When no session is live, prefill runs in whole chunks while the clock sleeps.
 
 Frames arrive with jitter. A session whose frames reach the talker near the deadline would
