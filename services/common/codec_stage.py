@@ -208,7 +208,7 @@ class CodecBatcher:
                 x = torch.zeros((self.pool.total, *self.in_shape), dtype=self.in_dtype)
                 active = torch.zeros(self.pool.total, dtype=torch.bool)
                 index = torch.tensor(slots)
-                x[index] = torch.stack([batch[s][0] for s in slots])  # two calls, not two per stream
+                x[index] = torch.stack([batch[s][0] for s in slots]).to(self.in_dtype)  # a few calls, not two per stream
                 active[index] = True
                 out = await loop.run_in_executor(self._worker, self._step, x, active)
             except Exception as e:  # a failed step ends the streams in it, not the service

@@ -407,6 +407,7 @@ class ConversationClock:
             self._maybe_end(s)
 
     def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor):
+        """One engine step: its outputs as host lists, and its GPU time (None off a CUDA graph)."""
         r = self.engine.step(codes, active)
         packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
         host = packed.cpu()
