@@ -521,6 +521,35 @@ async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_c
         await clock.stop()
 
 
+async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkpoint):
+    """A catch-up step runs only the sessions still behind (idle rows attend over one KV entry), so
+    whether one fits before the deadline is decided by the measured catch-up time, not by the main
+    step's: at 160 full-context sessions a main step fills most of the period, a catch-up of a few
+    sessions does not."""
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.scheduler import ConversationClock
+
+    clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25)
+    loop = asyncio.get_running_loop()
+    try:
+        sess = clock.open("behind", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+        assert await clock._prefill_idle() and sess.live
+        frames = user_frames(3, 6)
+        clock.push(sess, 0, frames[0])
+        clock.push(sess, 1, frames[1])
+        clock._step_s, clock._catch_up_s = 0.5, 0.5  # neither fits 100 ms: the second frame waits
+        assert await clock._tick(loop.time() + 0.1) == 1 and len(sess.inputs) == 1
+        clock.push(sess, 2, frames[2])
+        clock._step_s, clock._catch_up_s = 0.5, 0.005  # a main step would not fit, a catch-up does
+        assert await clock._tick(loop.time() + 0.1) == 2 and len(sess.inputs) == 0
+        assert clock._step_s > 0.3 and clock._catch_up_s < 0.1  # each measured into its own average
+    finally:
+        for s in list(clock.sessions.values()):
+            clock.close(s)
+        await clock.stop()
+
+
 async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_session(tiny_checkpoint):
     """With a session live, a new session's prompt runs after the tick's outputs, in the period's
     slack (begin + a whole chunk, oldest first), never inside the tick; it then talks exactly like

@@ -40,6 +40,7 @@ import torch
 
 from services.common.errors import Internal, InvalidArgument, StageError
 from services.common.frame_grid import next_grid_time
+from services.common.process import check_gil_switch_ms, configure_process
 from services.common.stage_server import FRAME_MS, StageRpcs, StageRuntime, StageServer, freeze_startup_heap
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x[slots,...], active[slots]) -> out[slots,...]
@@ -322,9 +323,13 @@ class CodecServiceConfig:
     # per step: about 15 ms eager, 5.6 ms graphed for 160 streams of the full model on an H200).
     cuda_graph: bool = False
     drain_deadline_s: float = 30.0  # SIGTERM: how long live streams may continue
+    # How often CPython makes a thread holding the GIL yield it (services/common/process.py: why a
+    # busy gRPC loop otherwise stalls the step thread's every torch call; CPython's default is 5).
+    gil_switch_ms: float = 0.2
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        check_gil_switch_ms(self.gil_switch_ms)
         if self.step_phase_ms != -1.0 and not 0.0 <= self.step_phase_ms < FRAME_MS:
             raise ValueError(f"step_phase_ms must be -1 (off) or in [0, {FRAME_MS}), got {self.step_phase_ms}")
 
@@ -447,8 +452,7 @@ def inference_step(step: StepFn, device: str) -> StepFn:
 def run_main(service_factory, cfg: CodecServiceConfig) -> None:
     """Process entry point shared by `python -m services.encoder` / `services.decoder`."""
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    configure_process(cfg.threads, cfg.gil_switch_ms)
 
     async def main() -> None:
         service = service_factory(cfg)

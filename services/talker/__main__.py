@@ -11,8 +11,7 @@ import asyncio
 import logging
 import sys
 
-import torch
-
+from services.common.process import configure_process
 from services.talker.config import TalkerConfig
 from services.talker.server import TalkerService
 
@@ -25,6 +24,5 @@ async def main(cfg: TalkerConfig) -> None:
 if __name__ == "__main__":
     cfg = TalkerConfig.load(sys.argv[1:])
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)  # intra-op threads of the one compute thread's matmuls
+    configure_process(cfg.threads, cfg.gil_switch_ms)  # intra-op threads, GIL hand-offs
     asyncio.run(main(cfg))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.process import check_gil_switch_ms
 from services.common.stage_config import load_config
 
 ENV_PREFIX = "TALKER_"
@@ -66,9 +67,13 @@ class TalkerConfig:
     # torch intra-op threads. 1 by default: the stages share a machine's cores, and several
     # processes each spinning torch's default thread pool slow one another down many times over.
     threads: int = 1
+    # How often CPython makes a thread holding the GIL yield it (services/common/process.py: why a
+    # busy gRPC loop otherwise stalls the compute thread's every torch call; CPython's default is 5).
+    gil_switch_ms: float = 0.2
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        check_gil_switch_ms(self.gil_switch_ms)
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if not (1.0 <= self.tick_ms <= 10_000.0):
