@@ -575,8 +575,9 @@ async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_s
         clock.push(first, 0, frames[0])
         assert await clock._tick(loop.time() + 10) == 1  # one main step, no prefill inside it
         assert not mine.live and mine.job is None and not first.outbox.empty()
-        # A piece does not fit 5 ms of slack (measured pieces take 50 ms) and nobody starves yet.
-        clock._piece_s, clock._prefill_progress = 0.05, loop.time()
+        # A piece does not fit 5 ms of slack (measured pieces take 50 ms), nobody starves yet, and
+        # the ticks have been leaving room for pieces (200 ms): it waits for a roomier period.
+        clock._piece_s, clock._prefill_progress, clock._slack_s = 0.05, loop.time(), 0.2
         await clock._prefill_in_slack(loop.time() + 0.005)
         assert mine.job is None and not mine.pieces_ms
         # Starving for over two periods: exactly one piece runs although it does not fit.
@@ -595,6 +596,39 @@ async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_s
                 out = mine.outbox.get_nowait()
                 got.append((out.text_token, out.agent_codes))
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
+    finally:
+        for sess in list(clock.sessions.values()):
+            clock.close(sess)
+        await clock.stop()
+
+
+async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tiny_checkpoint):
+    """When the slack the ticks leave (an EMA) is shorter than a piece, waiting two periods for
+    one that fits would only delay the new session: the piece runs in the first period, and
+    only one per period, however many sessions wait."""
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.scheduler import ConversationClock
+
+    pool = SlotPool(SLOTS)
+    clock = ConversationClock(engine(tiny_checkpoint, "served"), pool, tick_s=0.08, max_backlog_frames=25,
+                              prefill_chunk_frames=64)
+    loop = asyncio.get_running_loop()
+    greedy = SamplingParams(greedy=True, seed=1)
+    try:
+        a = clock.open("a", pool.acquire(), None, "", greedy, 1)
+        b = clock.open("b", pool.acquire(), None, "", greedy, 1)
+        clock._piece_s, clock._prefill_progress = 0.05, loop.time()  # 50 ms pieces; nobody starves
+        clock._slack_s = 0.01  # the ticks have been leaving 10 ms
+        await clock._prefill_in_slack(loop.time() + 0.005)
+        assert a.live and not b.live and b.job is None  # one piece this period, b's turn is the next
+        assert clock._slack_too_short()
+        clock._slack_s = 0.2  # ticks leave room again: b waits for a period that holds its piece
+        await clock._prefill_in_slack(loop.time() + 0.005)
+        assert not b.live and b.job is None and not clock._slack_too_short()
+        clock._slack_s = 0.01
+        await clock._prefill_in_slack(loop.time() + 0.005)
+        assert b.live
     finally:
         for sess in list(clock.sessions.values()):
             clock.close(sess)

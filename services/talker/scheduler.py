@@ -21,9 +21,13 @@ services/common/frame_grid.py, so other processes can place their work around th
 
 Prefill runs after the tick's outputs, in the slack before the next deadline: one piece
 (begin() and up to prefill_chunk_frames prompt frames of the oldest waiting session) when the
-measured piece time (an EMA, plus a tenth of the period) fits, more while they fit, and one
-even when it does not fit if the prompt has made no progress for two periods (so a full
-clock delays a new session instead of starving it). With prefill_overrun_s a piece also fits
+measured piece time (an EMA, plus a tenth of the period) fits, more while they fit. One piece
+per period runs even when it does not fit: if the prompt has made no progress for two periods
+(so a full clock delays a new session instead of starving it), and at once if the slack the
+ticks have been leaving (an EMA) is shorter than a piece. Then no later period would hold it
+either, the tick after it is late whenever it runs, and waiting would only add two periods to
+the new session's time to first audio (at 144 full-context sessions on the H200 a piece took
+44 ms at load against 24 ms of slack; bench/results, run 13). With prefill_overrun_s a piece also fits
 when it ends at most that far past the deadline and the next tick, starting that late, still
 ends within its period by the measured step. A piece used to ride behind the main step
 to hide its launch time; on the H200 at 128 full-context sessions that stretched the step from
@@ -149,6 +153,7 @@ class ConversationClock:
         self._catch_up_s: float | None = None
         self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
         self._piece_s = 0.0  # measured prefill piece time (EMA, seconds): does one fit in the slack?
+        self._slack_s: float | None = None  # time left in the period after a tick (EMA, seconds)
         self._overruns = 0
         self._overrun_logged = float("-inf")
         self._slow_ticks = 0
@@ -288,9 +293,9 @@ class ConversationClock:
         if now - self._slow_logged < 10.0:
             return
         log.warning("slow tick: %.1f ms for %d step(s) from its deadline (step EMA %.1f ms, prefill piece EMA "
-                    "%.1f ms, %d live sessions); %d slow tick(s) since the last report", took * 1e3, steps,
-                    self._step_s * 1e3, self._piece_s * 1e3, sum(s.live for s in self.sessions.values()),
-                    self._slow_ticks)
+                    "%.1f ms, slack after a tick EMA %.1f ms, %d live sessions); %d slow tick(s) since the last "
+                    "report", took * 1e3, steps, self._step_s * 1e3, self._piece_s * 1e3, (self._slack_s or 0.0) * 1e3,
+                    sum(s.live for s in self.sessions.values()), self._slow_ticks)
         self._slow_ticks, self._slow_logged = 0, now
 
     async def _idle_until(self, deadline: float) -> None:
@@ -444,14 +449,27 @@ class ConversationClock:
         return s.slot, s.voice, s.persona, s.sampling
 
     async def _prefill_in_slack(self, period_end: float) -> None:
-        """Prefill pieces after a tick, while one fits before period_end; one regardless when the
-        waiting prompt has made no progress for two periods (module doc)."""
+        """Prefill pieces after a tick, while one fits before period_end. One that does not fit
+        runs anyway, one per period, when the waiting prompt has made no progress for two periods
+        or when the slack the ticks have been leaving would not hold a piece (module doc)."""
         loop = asyncio.get_running_loop()
+        slack = period_end - loop.time()
+        self._slack_s = slack if self._slack_s is None else 0.8 * self._slack_s + 0.2 * slack
+        forced = False
         while self._prefill_waiting():
-            if not (self._piece_fits(loop.time(), period_end)
-                    or loop.time() - self._prefill_progress > 2 * self.tick_s):  # starving
-                return
+            if not self._piece_fits(loop.time(), period_end):
+                starving = loop.time() - self._prefill_progress > 2 * self.tick_s
+                if forced or not (starving or self._slack_too_short()):
+                    return
+                forced = True
             await self._prefill_idle()
+
+    def _slack_too_short(self) -> bool:
+        """Whether the slack after a tick (its EMA) is too short for a piece: waiting for one that
+        fits would only delay the new session, and the tick after the piece is late either way."""
+        if self._piece_s == 0.0 or self._slack_s is None:
+            return False
+        return self._slack_s + self.prefill_overrun_s < self._piece_s + STEP_HEADROOM * self.tick_s
 
     def _piece_fits(self, now: float, period_end: float) -> bool:
         """Whether a piece started now (its measured time plus the headroom) ends before period_end,
