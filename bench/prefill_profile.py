@@ -10,8 +10,8 @@ part (begin; voice KV copy, prompt chunk, go-live inside the chunk launch) and t
 it; and, for the last piece, the CUDA runtime calls the host made, from torch.profiler (a call that
 blocks, e.g. cudaStreamSynchronize or cudaMalloc, shows as a long one) and the lines of ours that
 synchronized with the GPU (torch.cuda.set_sync_debug_mode). Then what a step costs
-with 1, 4, 16 and all rows active (a catch-up step runs only the sessions still behind). Writes
-prefill_profile.json.
+with 1, 4, 16 and all rows active (a catch-up step runs only the sessions still behind), and the
+prefill chunk's kernels, run eagerly once (a graph replay hides them). Writes prefill_profile.json.
 """
 
 from __future__ import annotations
@@ -46,6 +46,38 @@ def timed(eng: TalkerEngine, name: str, into: dict) -> None:
             into[name] = into.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
     setattr(eng, name, wrapper)
+
+
+@torch.no_grad()
+def profile_chunk_kernels(eng: TalkerEngine, slot: int, top: int = 20) -> dict:
+    """The captured prefill chunk's function, run eagerly once into `slot` under the profiler:
+    its GPU time and its kernels by GPU time (a graph replay hides them). Leaves `slot` garbled."""
+    g = eng._prefill_graph
+    slot_t = eng.kv.slot_index(slot)
+
+    def forward() -> None:
+        eng.model.temporal(eng.model.embed(g.tokens, check=False), eng.kv, slot_t)
+
+    forward()  # warm
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    forward()
+    end.record()
+    torch.cuda.synchronize()
+    eager_ms = start.elapsed_time(end)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    kernels = [{"name": e.key, "calls": e.count, "device_ms": e.device_time_total / 1e3} for e in events[:top]]
+    total = sum(e.device_time_total for e in events) / 1e3
+    print(f"\neager prefill chunk ({g.frames} frames, one slot): {eager_ms:.2f} ms GPU by events, "
+          f"{total:.2f} ms in kernels; by kernel:")
+    for k in kernels:
+        print(f"  {k['device_ms']:8.3f} ms  {k['calls']:4d}x  {k['name'][:100]}")
+    return {"frames": g.frames, "eager_ms": eager_ms, "kernel_ms": total, "top_kernels": kernels}
 
 
 def main() -> int:
@@ -137,13 +169,14 @@ def main() -> int:
             devs.append((eng.last_step_device_s() or 0.0) * 1e3)
         catch_up[rows_active] = {"wall_ms": sorted(walls)[2], "device_ms": sorted(devs)[2]}
         print(f"step with {rows_active:3d} active rows: wall {sorted(walls)[2]:.2f} ms, GPU {sorted(devs)[2]:.2f} ms (median of 5)")
+    chunk_kernels = profile_chunk_kernels(eng, probe) if cuda else {}
     print(f"\nlast piece, lines that synchronized with the GPU: {', '.join(syncs) or 'none'}")
     print("last piece, CUDA runtime and torch calls by host time (profiled, so slower):")
     for e in trace:
         print(f"  {e['cpu_total_ms']:8.2f} ms host  {e['device_total_ms']:8.2f} ms GPU  {e['calls']:5d}x  {e['name'][:90]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill_profile.json").write_text(json.dumps({"slots": S, "rows": rows, "step_by_active_rows": catch_up, "sync_lines": syncs, "last_piece_calls": trace}, indent=1) + "\n")
+    (out / "prefill_profile.json").write_text(json.dumps({"slots": S, "rows": rows, "step_by_active_rows": catch_up, "sync_lines": syncs, "eager_chunk": chunk_kernels, "last_piece_calls": trace}, indent=1) + "\n")
     print(f"wrote {out / 'prefill_profile.json'}")
     return 0
 
