@@ -69,6 +69,9 @@ DEFINITIONS = {
                            "per interval, to set against the tick spikes",
     "sessions": "N: steady_sessions (open together before the shared start, then the whole schedule; every "
                 "client-side figure and check except probes_ok is about them) + probe_slots (see probes)",
+    "slow_intervals": "stage_timeline intervals (about 1 s, from the shared start) whose talker tick p99 passed the "
+                      "period; slow_with_probe_open: those with a probe open in them or 0.3 s before (its prefill "
+                      "lands there); intervals_with_probe_open: the same count over all intervals, the base rate",
     "probes": "probe_slots sessions that open, talk for probe_cycle_s and close gracefully, then reopen at once, "
               "from the shared start until the steady schedule ends, so about N sessions are always live. "
               "open_ms: open call -> session ready (the prompt prefilled; the first input frame can be "
@@ -136,6 +139,25 @@ def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:
                     row[f"{s}_gc_ms"] = round(gc_pause * 1000.0, 2)
         rows.append(row)
     return rows
+
+
+OPEN_LEAD_S = 0.3  # an open this long before an interval still lands its prefill in it (two periods + a piece)
+
+
+def slow_intervals(timeline: list[dict], cycles: list[dict], tick_s: float = 0.08) -> dict:
+    """Which scrape intervals had a talker tick p99 over the period, and how many of them (and of
+    all intervals, the base rate) saw a probe open in them or OPEN_LEAD_S before: whether late
+    ticks follow the new sessions' prefill or not."""
+    opens = sorted(c["t_open"] for c in cycles if c.get("t_open") is not None)
+
+    def with_open(row: dict) -> bool:
+        return any(row["t0"] - OPEN_LEAD_S <= t < row["t"] for t in opens)
+
+    rows = [r for r in timeline if r.get("talker_tick_p99_ms") is not None and r["t0"] >= 0]
+    slow = [r for r in rows if r["talker_tick_p99_ms"] > tick_s * 1000.0]
+    return {"intervals": len(rows), "slow": len(slow), "slow_at": [round(r["t0"], 1) for r in slow][:60],
+            "slow_with_probe_open": sum(with_open(r) for r in slow),
+            "intervals_with_probe_open": sum(with_open(r) for r in rows)}
 
 
 def _probe_errors(cycles: list[dict]) -> list[dict]:
@@ -208,7 +230,9 @@ def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: l
     trend = backlog_trend(grid, backlog, skip_s=min(5.0, duration_s / 4), max_growth_frames=backlog_growth_frames)
     trend["per_second"] = [{"t": float(t), "frames": round(float(b), 3)} for t, b in zip(grid, backlog) if float(t).is_integer()]
 
-    probes = probe_summary([c for r in results for c in r.get("probes", [])], probe_slots, probe_cycle_s)
+    cycles = [c for r in results for c in r.get("probes", [])]
+    probes = probe_summary(cycles, probe_slots, probe_cycle_s)
+    timeline = stage_timeline(snapshots)
 
     stage_errors = sum(sum(b["errors"].values()) for b in stages.values() if b is not None)
     checks = {
@@ -243,7 +267,8 @@ def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: l
         "stages": stages,
         "talker": talker,
         "latency_per_second": per_second_latency(records, int(math.ceil(duration_s)) + 2),
-        "stage_timeline": stage_timeline(snapshots),
+        "stage_timeline": timeline,
+        "slow_intervals": slow_intervals(timeline, cycles),
         "probes": probes,
         "gpu_memory": {"before": gpu_memory(before), "after": gpu_memory(after)},
         "errors": errors[:50],
@@ -303,7 +328,17 @@ def probe_line(run: dict) -> str:
     return (f"N={run['sessions']} probes ({p['slots']} of N, {p['cycles']} opens beside {run['steady_sessions']} steady): "
             f"open p50/p99 {ms(p['open_ms']['p50'])}/{ms(p['open_ms']['p99'])} ms, "
             f"first audio p50/p99 {ms(p['first_audio_ms']['p50'])}/{ms(p['first_audio_ms']['p99'])} ms, "
-            f"errors {p['errors_total']}" + pieces)
+            f"errors {p['errors_total']}" + pieces + slow_line(run))
+
+
+def slow_line(run: dict) -> str:
+    """Whether the slow seconds come with the probes' opens (their prefill) or not."""
+    w = run.get("slow_intervals")
+    if not w or not w["intervals"]:
+        return ""
+    return (f"; intervals with talker tick p99 > 80 ms: {w['slow']} of {w['intervals']}, "
+            f"{w['slow_with_probe_open']} of them with a probe open (base rate "
+            f"{w['intervals_with_probe_open']} of {w['intervals']})")
 
 
 def gpu_memory_lines(mem: dict | None) -> list[str]:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from bench.pipeline import deal_sessions
 from bench.pipeline import main as pipeline_main
 from bench.pipeline_load import probe_frames
-from bench.pipeline_report import gpu_memory_lines, probe_summary, stage_timeline, summarize_run
+from bench.pipeline_report import gpu_memory_lines, probe_summary, slow_intervals, stage_timeline, summarize_run
 from bench.pipeline_stats import (
     SessionRecord,
     backlog_series,
@@ -145,6 +145,20 @@ def _cycle(j: int, open_s: float | None = 0.2, first: float | None = 0.5, sent: 
             "prefill_ms": None if open_s is None else 150.0, "output_delay_frames": None if open_s is None else 1,
             "frames_sent": sent, "frames_out": out, "first_output_s": first, "first_output_seq": 1 if first else None,
             "error": error, "cleanup_confirmed": confirmed}
+
+
+def test_slow_intervals_are_set_against_the_probe_opens_and_their_base_rate():
+    timeline = [{"t0": -0.5, "t": 0.0, "talker_tick_p99_ms": 300.0},  # before the start: not counted
+                {"t0": 0.0, "t": 1.0, "talker_tick_p99_ms": 70.0},
+                {"t0": 1.0, "t": 2.0, "talker_tick_p99_ms": 95.0},  # an open at 0.8: its prefill lands here
+                {"t0": 2.0, "t": 3.0, "talker_tick_p99_ms": 60.0},  # an open at 2.5, on time
+                {"t0": 3.0, "t": 4.0, "talker_tick_p99_ms": 120.0},  # no open near
+                {"t0": 4.0, "t": 5.0}]  # no talker sample: not counted
+    w = slow_intervals(timeline, [{"t_open": 0.8}, {"t_open": 2.5}, {"t_open": None}])
+    assert w == {"intervals": 4, "slow": 2, "slow_at": [1.0, 3.0], "slow_with_probe_open": 1,
+                 "intervals_with_probe_open": 3}  # 0.8 is in [0, 1) and within 0.3 s of 1.0; 2.5 in [2, 3)
+    assert slow_intervals([], []) == {"intervals": 0, "slow": 0, "slow_at": [], "slow_with_probe_open": 0,
+                                      "intervals_with_probe_open": 0}
 
 
 def test_probe_summary_counts_every_cycle_and_every_kind_of_failure():
