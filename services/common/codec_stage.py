@@ -317,7 +317,9 @@ class CodecServiceConfig:
     # k * 80 ms + P of the machine's monotonic clock, the cell's frame grid the talker ticks on
     # (services/common/frame_grid.py), so this stage's GPU work and the talker's do not overlap;
     # e.g. an encoder at 65 steps 15 ms before each talker deadline (tick_phase_ms 0). A frame read
-    # at once after its stream's last answer (a backlog) is stepped without waiting.
+    # at once after its stream's last answer (a backlog) is stepped without waiting. Measured on
+    # the H200 at 144-160 full-context sessions with an encoder at 65: worse than off (its step
+    # takes 20-38 ms at load, so its frames reached the talker after the deadline; README, run 10).
     step_phase_ms: float = -1.0
     # CUDA only: replay the codec step as a captured CUDA graph (Mimi's hundreds of small kernels
     # per step: about 15 ms eager, 5.6 ms graphed for 160 streams of the full model on an H200).
