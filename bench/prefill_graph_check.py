@@ -5,8 +5,8 @@ a running step) gives exactly what the eager engine gives. CPU tests cannot run 
 
 The tiny checkpoint in fp32 on the GPU, fp32 and fp8 KV: a session in slot 0 is live and steps
 while a session with a voice and a persona prefills in slot 2, three frames per step (so prompt
-chunks run between steps, each padded to the graph's 4-frame chunk); then both talk for 30
-frames. Compared: every output token and
+chunks run between steps, each padded to the graph's 4-frame chunk, reading 8, 16, then all ring
+entries as the prompt grows); then both talk for 30 frames. Compared: every output token and
 code of both sessions, the written part of slot 2's KV ring and its length after the prompt.
 """
 
@@ -39,7 +39,8 @@ def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor) -> list:
 def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool) -> tuple[list, torch.Tensor, int]:
     eng = TalkerEngine.from_checkpoint(paths, slots=3, device="cuda", dtype=torch.float32, kv_fp8=kv_fp8,
                                        cuda_graph=graphed)
-    eng.prefill_graph_frames = 4  # several padded chunks per prompt
+    eng.prefill_graph_frames = 4  # several padded chunks per prompt ...
+    eng.prefill_graph_windows = (8, 16)  # ... run by each captured window in turn, then the whole-ring one
     eng.warmup(("NATF2.pt",))
     g = torch.Generator().manual_seed(0)
     frames = torch.randint(0, eng.card, (60, 3, 8), generator=g)

@@ -49,14 +49,16 @@ def timed(eng: TalkerEngine, name: str, into: dict) -> None:
 
 
 @torch.no_grad()
-def profile_chunk_kernels(eng: TalkerEngine, slot: int, top: int = 20) -> dict:
-    """The captured prefill chunk's function, run eagerly once into `slot` under the profiler:
-    its GPU time and its kernels by GPU time (a graph replay hides them). Leaves `slot` garbled."""
-    g = eng._prefill_graph
+def profile_chunk_kernels(eng: TalkerEngine, slot: int, window: int | None, frames: int, top: int = 20) -> dict:
+    """A captured prefill chunk's function (`frames` frames reading `window` ring entries, None: all),
+    run eagerly once into `slot` under the profiler: its GPU time and its kernels by GPU time (a
+    graph replay hides them). Leaves `slot` garbled."""
     slot_t = eng.kv.slot_index(slot)
+    tokens = torch.full((1, frames, eng.cfg.num_streams), -1, dtype=torch.long, device=eng.device)
 
     def forward() -> None:
-        eng.model.temporal(eng.model.embed(g.tokens, check=False), eng.kv, slot_t)
+        eng.kv.length[slot] = 0  # a fresh slot: the window holds its history
+        eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot_t, window)
 
     forward()  # warm
     torch.cuda.synchronize()
@@ -73,11 +75,11 @@ def profile_chunk_kernels(eng: TalkerEngine, slot: int, top: int = 20) -> dict:
     events.sort(key=lambda e: -e.device_time_total)
     kernels = [{"name": e.key, "calls": e.count, "device_ms": e.device_time_total / 1e3} for e in events[:top]]
     total = sum(e.device_time_total for e in events) / 1e3
-    print(f"\neager prefill chunk ({g.frames} frames, one slot): {eager_ms:.2f} ms GPU by events, "
-          f"{total:.2f} ms in kernels; by kernel:")
-    for k in kernels:
+    print(f"\neager prefill chunk ({frames} frames, one slot, reading {window or 'all'} ring entries): "
+          f"{eager_ms:.2f} ms GPU by events, {total:.2f} ms in kernels; by kernel:")
+    for k in kernels[:top if window is None else 6]:
         print(f"  {k['device_ms']:8.3f} ms  {k['calls']:4d}x  {k['name'][:100]}")
-    return {"frames": g.frames, "eager_ms": eager_ms, "kernel_ms": total, "top_kernels": kernels}
+    return {"frames": frames, "window": window, "eager_ms": eager_ms, "kernel_ms": total, "top_kernels": kernels}
 
 
 def main() -> int:
@@ -169,7 +171,12 @@ def main() -> int:
             devs.append((eng.last_step_device_s() or 0.0) * 1e3)
         catch_up[rows_active] = {"wall_ms": sorted(walls)[2], "device_ms": sorted(devs)[2]}
         print(f"step with {rows_active:3d} active rows: wall {sorted(walls)[2]:.2f} ms, GPU {sorted(devs)[2]:.2f} ms (median of 5)")
-    chunk_kernels = profile_chunk_kernels(eng, probe) if cuda else {}
+    # Every captured chunk's kernels, by the ring entries it reads (the probe's prompt runs the smallest).
+    n, first = job._cols.inputs.shape[0], job._cols.first
+    g = eng.prefill_graph_for(min(n, eng.prefill_graph_frames), first)
+    ran = "eagerly" if g is None else f"as the graph reading {g.window or 'all'} ring entries"
+    print(f"\nthe probe's prompt: {n} frames from position {first}, its first chunk ran {ran}")
+    chunk_kernels = [profile_chunk_kernels(eng, probe, g.window, g.frames) for g in eng._prefill_graphs]
     print(f"\nlast piece, lines that synchronized with the GPU: {', '.join(syncs) or 'none'}")
     print("last piece, CUDA runtime and torch calls by host time (profiled, so slower):")
     for e in trace:

@@ -225,6 +225,39 @@ def test_parallel_prefill_equals_single_steps():
     assert not kv_par.k[:, 0].any()  # the other slot was never touched
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_prefill_reading_only_its_window_equals_one_reading_the_whole_ring(fp8):
+    """A young slot's history lies in ring indices 0..start-1: a chunk that reads only a window
+    holding them (exactly start, or more) gives what reading all of the ring gives, and so does the
+    ring it leaves. A window the cache cannot have is refused."""
+    cfg = TINY.replace(context=16)
+    model = LMModel(cfg).init_random_(21)
+    chunks = [5, 3, 4]
+    tokens = random_tokens(cfg, 1, sum(chunks), seed=22)
+    slot = torch.tensor([1])
+    results = {}
+    for how in ("all", "exact", "wider"):
+        kv = model.new_kv_cache(2, fp8=fp8)
+        outs, t = [], 0
+        for n in chunks:
+            window = {"all": None, "exact": t, "wider": min(t + 6, cfg.context)}[how]
+            outs.append(model.temporal(model.embed(tokens[:, t : t + n]), kv, slot, window))
+            t += n
+        results[how] = (torch.cat(outs, 1), kv)
+    h_all, kv_all = results["all"]
+    for how in ("exact", "wider"):
+        h, kv = results[how]
+        assert rel_err(h, h_all) < 1e-5, how
+        assert torch.equal(kv.length, kv_all.length)
+        torch.testing.assert_close(kv.k.float(), kv_all.k.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.v.float(), kv_all.v.float(), rtol=1e-5, atol=1e-5)
+    assert rel_err(h_all, step_all(model, model.new_kv_cache(2, fp8=fp8), tokens, slot)) < (0.1 if fp8 else 1e-5)
+    kv = model.new_kv_cache(2, fp8=fp8)
+    for bad in (-1, cfg.context + 1):
+        with pytest.raises(ValueError, match="window"):
+            model.temporal(model.embed(tokens[:, :4]), kv, slot, bad)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(context=st.sampled_from([1, 3, 8]), chunks=st.lists(st.integers(1, 10), min_size=1, max_size=3),
        start=st.integers(0, 9))

@@ -148,6 +148,11 @@ class PrefillJob:
 
 
 PREFILL_GRAPH_FRAMES = 64  # the captured prefill chunk: shorter chunks are padded to it
+# A prefill chunk reads only the ring indices the slot's history can occupy (KVCache.attend's
+# window). A graph has fixed shapes, so one is captured per window below the context (plus one that
+# reads the whole ring): a chunk runs the smallest that holds its slot's history. A prompt starts
+# after a voice of a few seconds (about 60-250 frames), so its chunks mostly run the 256 graph.
+PREFILL_GRAPH_WINDOWS = (256, 1024)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -159,7 +164,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _PrefillGraph:
-    """One prefill chunk of `frames` prompt columns for any slot, as a captured CUDA graph.
+    """One prefill chunk of `frames` prompt columns for any slot whose history lies in ring
+    indices 0..window-1 (None: anywhere), as a captured CUDA graph.
 
     Inputs are static buffers: the tokens (a shorter chunk is padded with -1, which embeds to
     zero) and the slot index. The padded positions past the chunk are written into the ring
@@ -168,18 +174,27 @@ class _PrefillGraph:
     caller keeps start + frames within the ring, so the padding never overwrites a real entry.
     """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, tokens: torch.Tensor, slot: torch.Tensor, frames: int):
-        self.graph, self.tokens, self.slot, self.frames = graph, tokens, slot, frames
+    def __init__(self, graph: torch.cuda.CUDAGraph, tokens: torch.Tensor, slot: torch.Tensor, frames: int,
+                 window: int | None):
+        self.graph, self.tokens, self.slot, self.frames, self.window = graph, tokens, slot, frames, window
+
+    def fits(self, n: int, start: int, context: int) -> bool:
+        """Whether a chunk of n frames at positions start.. of a slot that has written `start`
+        positions can run as this graph: its padding stays inside the ring, and the slot's history
+        (unwrapped while start <= context) inside the window."""
+        return n <= self.frames and start + self.frames <= context and (self.window is None or start <= self.window)
 
     @classmethod
-    def capture(cls, eng: "TalkerEngine", frames: int) -> "_PrefillGraph":
+    def capture(cls, eng: "TalkerEngine", frames: int, window: int | None = None,
+                pool=None) -> "_PrefillGraph":
+        """Capture into memory `pool` (another prefill graph's: they never run at once)."""
         dev = eng.device
         tokens = torch.full((1, frames, eng.cfg.num_streams), -1, dtype=torch.long, device=dev)
         slot = eng.kv.slot_index(0).clone()
         eng.kv.trust(slot)  # its value is only ever set from a checked host slot (run below)
 
         def forward() -> None:
-            eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot)
+            eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot, window)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -187,10 +202,11 @@ class _PrefillGraph:
             forward()  # warm-up outside the capture (lazy inits); writes slot 0, reset by the caller
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             forward()
-        log.info("captured a prefill chunk of %d frames as a CUDA graph", frames)
-        return cls(graph, tokens, slot, frames)
+        log.info("captured a prefill chunk of %d frames reading %s ring entries as a CUDA graph", frames,
+                 window or "all")
+        return cls(graph, tokens, slot, frames, window)
 
     def run(self, eng: "TalkerEngine", slot: int, slot_t: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
         n = tokens.shape[0]
@@ -261,7 +277,8 @@ class TalkerEngine:
         # With cuda_graph, a prefill chunk too is one graph replay (captured by warmup): eagerly it is
         # a few thousand kernel launches, tens of ms of host time.
         self.prefill_graph_frames = PREFILL_GRAPH_FRAMES
-        self._prefill_graph: _PrefillGraph | None = None
+        self.prefill_graph_windows = PREFILL_GRAPH_WINDOWS
+        self._prefill_graphs: list[_PrefillGraph] = []  # by window, smallest first; the last reads all
         self._voice_kv: dict[str, _VoicePrefix] = {}
         # Benchmark only (TalkerConfig.bench_full_context): a session goes live as if it had already
         # filled its ring, so every step costs what the steady state costs.
@@ -463,12 +480,19 @@ class TalkerEngine:
         """Run prompt columns `tokens` (host LongTensor [n, 17]) into `slot` at positions start..
         start+n-1: a replay of the captured prefill graph when it applies, else eagerly. No host
         sync either way, so it queues behind a step still running on the GPU."""
-        n, g = tokens.shape[0], self._prefill_graph
-        if g is not None and n <= g.frames and start + g.frames <= self.context:
+        n = tokens.shape[0]
+        g = self.prefill_graph_for(n, start)
+        if g is not None:
             g.run(self, slot, slot_t, tokens, start)
             return
         x = self.model.embed(to_device(tokens[None], self.device), check=False)  # ids are ours: no range check
-        self.model.temporal(x, self.kv, slot_t)
+        # The slot has written `start` positions; while they fit the ring they sit at indices 0..start-1.
+        self.model.temporal(x, self.kv, slot_t, start if start <= self.context else None)
+
+    def prefill_graph_for(self, n: int, start: int) -> "_PrefillGraph | None":
+        """The captured prefill chunk that runs n frames at `start` (the one reading the fewest ring
+        entries), or None: the chunk runs eagerly."""
+        return next((g for g in self._prefill_graphs if g.fits(n, start, self.context)), None)
 
     def warmup(self, voices: tuple[str, ...] = ()) -> None:
         """Run what a first session would, before any session: one short prompt prefill in slot 0
@@ -490,9 +514,13 @@ class TalkerEngine:
         if self.cuda_graph and self.graph_top_k not in self._graphs:
             S = self.num_slots
             self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool))
-        if self.cuda_graph and self._prefill_graph is None:
-            self._prefill_graph = _PrefillGraph.capture(self, min(self.prefill_graph_frames, self.context))
-            self.kv.reset(0)  # the capture's warm-up run wrote slot 0
+        if self.cuda_graph and not self._prefill_graphs:
+            frames = min(self.prefill_graph_frames, self.context)
+            pool = None
+            for window in (*sorted(w for w in set(self.prefill_graph_windows) if 0 < w < self.context), None):
+                self._prefill_graphs.append(_PrefillGraph.capture(self, frames, window, pool))
+                pool = self._prefill_graphs[0].graph.pool()
+                self.kv.reset(0)  # the capture's warm-up run wrote slot 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

@@ -151,17 +151,27 @@ class KVCache:
         self.k[layer][rows, :, idx] = k[:, :, -n:].transpose(1, 2).to(self.k.dtype)
         self.v[layer][rows, :, idx] = v[:, :, -n:].transpose(1, 2).to(self.v.dtype)
 
-    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rings of `slots` as [B, H, context, Dh] in the compute dtype. For a call over every
-        slot this is the ring itself (a view): gathering would copy the whole cache each step."""
-        if slots is self.all_slots:
-            return self.k[layer].to(dtype), self.v[layer].to(dtype)
-        return self.k[layer][slots].to(dtype), self.v[layer][slots].to(dtype)
+    def _ring(self, t: torch.Tensor, layer: int, slots: torch.Tensor, entries: int | None) -> torch.Tensor:
+        """Ring indices 0..entries-1 (all: None) of `slots` in store t, sliced before gathering. For
+        a call over every slot it is a view: gathering would copy the whole cache each step."""
+        t = t[layer] if entries is None else t[layer][:, :, :entries]
+        return t if slots is self.all_slots else t[slots]
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype,
+             entries: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rings of `slots` as [B, H, entries or context, Dh] in the compute dtype."""
+        return self._ring(self.k, layer, slots, entries).to(dtype), self._ring(self.v, layer, slots, entries).to(dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Causal sliding-window attention of the T new positions [B, H, T, Dh] (already RoPE'd)
-        of each row's slot, storing their k/v. Query p sees keys p-context+1..p (moshi's window)."""
+        of each row's slot, storing their k/v. Query p sees keys p-context+1..p (moshi's window).
+
+        `window` (prefill only): the caller's promise that every row's slot has written at most
+        `window` positions and never wrapped, so its history lies in ring indices 0..window-1 and
+        only those are read. A new session's prompt sits at the start of a 3000-entry ring: reading
+        all of it (gather, dequantize, concatenate, a masked attention over 3000+ keys, per layer)
+        was most of a prompt chunk's time."""
         if q.shape[2] == 1:
             # Live step: write first, then attend over the ring. The entry overwritten was the
             # position just outside the window, so the ring now holds exactly the window.
@@ -171,9 +181,12 @@ class KVCache:
         # first could overwrite positions still inside the window of the chunk's early queries
         # (moshi's own multi-position streaming call does write first, so once its ring wraps it
         # differs from stepping; this equals stepping, and moshi's T=1 and full-sequence forward).
-        old_k, old_v = self.read(layer, slots, q.dtype)
+        if window is not None and not 0 <= window <= self.context:
+            raise ValueError(f"window must be in [0, {self.context}], got {window}")
+        old_k, old_v = self.read(layer, slots, q.dtype, window)
         keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
-        k_pos = torch.cat([self.ring_positions(positions[:, 0] - 1), positions], dim=1)  # [B, C + T]
+        old_pos = self.ring_positions(positions[:, 0] - 1)[:, :window]  # [B, window or C]
+        k_pos = torch.cat([old_pos, positions], dim=1)  # [B, window or C, + T]
         delta = positions[:, :, None] - k_pos[:, None, :]  # [B, T, C + T]
         mask = ((k_pos >= 0)[:, None, :] & (delta >= 0) & (delta < self.context))[:, None]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
@@ -236,8 +249,8 @@ class Fp8KVCache(KVCache):
             ring[layer][rows, :, idx] = xq
             scale[layer][rows, :, idx] = xs
 
-    def read(self, layer, slots, dtype):
-        k, v, ks, vs = (t[layer] if slots is self.all_slots else t[layer][slots] for t in self._stores())
+    def read(self, layer, slots, dtype, entries=None):
+        k, v, ks, vs = (self._ring(t, layer, slots, entries) for t in self._stores())
         return dequantize_fp8(k, ks, dtype), dequantize_fp8(v, vs, dtype)
 
 
