@@ -73,6 +73,13 @@ class BenchConfig:
     duration_s: float = 120.0  # input audio per session
     probe_sessions: int = 1  # K of the N slots reopen over and over: time to first audio at full load (0: none)
     probe_cycle_s: float = 4.0  # input audio per probe session before it closes and reopens
+    # When in the 80 ms period each steady session sends its frames. "spread": session j of S at
+    # j/S of a period after the start, as independent users do. "together": all in one burst
+    # (lockstep). A burst lands at a place in the talker's tick grid that differs from run to run
+    # (start times are not grid-aligned), and whether its frames reach the talker before or after
+    # a deadline decides skipped frames and catch-up steps: at 144 sessions two H200 runs of the
+    # same code gave 99.9 % and 79 % of ticks within 80 ms (bench/results, 2026-11-30).
+    send_phases: str = "spread"
     client_procs: int = min(8, max(1, (os.cpu_count() or 2) // 2))
     mps: bool = False
     out: str = "bench/results"
@@ -134,6 +141,8 @@ class BenchConfig:
                              f"{min(self.sweep + self.fallbacks)}")
         if not 0 <= self.codec_sm_percent <= 100 or (self.codec_sm_percent and not self.mps):
             raise SystemExit(f"--codec-sm-percent must be in [0, 100] and needs --mps, got {self.codec_sm_percent}")
+        if self.send_phases not in ("spread", "together"):
+            raise SystemExit(f"--send-phases must be spread or together, got {self.send_phases!r}")
         if self.probe_cycle_s < 2 * FRAME_PERIOD_S:
             raise SystemExit(f"--probe-cycle-s must be >= {2 * FRAME_PERIOD_S:g} (first audio needs two input frames)")
 
@@ -469,6 +478,7 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
     steady = n - cfg.probe_sessions
     k = min(cfg.client_procs, n)
     shares, probe_shares = deal_sessions(n, cfg.probe_sessions, k)
+    offsets = send_offsets(shares, FRAME_PERIOD_S, cfg.send_phases)
     loaders = [await LoadProcess.start(i, work) for i in range(k)]
     phases: dict[str, float] = {}
     done: list[asyncio.Task] = []
@@ -476,7 +486,7 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
         t0 = time.monotonic()
         for i, lp in enumerate(loaders):
             await lp.send({"cell": [procs[s].address for s in STAGES], "stream_ids": shares[i],
-                           "probe_ids": probe_shares[i], "voice": cfg.voice, "persona": cfg.persona,
+                           "probe_ids": probe_shares[i], "offsets_s": offsets[i], "voice": cfg.voice, "persona": cfg.persona,
                            "frames": frames, "period_s": FRAME_PERIOD_S, "probe_cycle_s": cfg.probe_cycle_s,
                            "open_timeout_s": cfg.open_timeout_s, "stall_timeout_s": cfg.stall_timeout_s,
                            "cleanup_timeout_s": cfg.cleanup_timeout_s, "result_path": str(work / f"load-n{n}-{i}.json")})
@@ -532,6 +542,9 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
                                                       for s, snap in snaps.items()}] for t, snaps in snapshots]}))
         raise RuntimeError(f"summarizing N={n} failed ({type(e).__name__}: {e}); raw records in {raw.name}") from e
     summary["client_procs"] = k
+    # Where the start fell in the talker's tick grid (grid times are multiples of the period on
+    # CLOCK_MONOTONIC, services/common/frame_grid.py): with --send-phases together, where the burst lands.
+    summary["start_in_tick_grid_ms"] = round((start_at % FRAME_PERIOD_S) * 1e3, 2)
     summary["phases_s"] = phases
     if service_exits:
         summary["errors"].append({"code": "service_exited", "message": json.dumps(service_exits)})
@@ -550,6 +563,16 @@ def deal_sessions(n: int, probes: int, procs: int) -> tuple[list[list[str]], lis
     probe: list[list[str]] = [[] for _ in range(procs)]
     probe[(n - probes) % procs] = [f"bench-n{n}-probe{j}" for j in range(probes)]
     return steady, probe
+
+
+def send_offsets(shares: list[list[str]], period: float, how: str) -> list[list[float]]:
+    """Per load process, each steady session's send offset in the period (seconds after the start):
+    "together" all 0; "spread" session j of S (in stream-id order across processes) at j/S * period."""
+    if how == "together":
+        return [[0.0] * len(ids) for ids in shares]
+    order = sorted(sid for ids in shares for sid in ids)
+    at = {sid: j * period / len(order) for j, sid in enumerate(order)}
+    return [[round(at[sid], 6) for sid in ids] for ids in shares]
 
 
 def progress_line(n: int, steady: int, start_at: float, duration_s: float, loaders: list[LoadProcess],

@@ -8,7 +8,7 @@ encoder codes to the talker and talker agent codes to the decoder. So the benchm
 serving path people use, minus the WebSocket.
 
 Protocol with the parent (one JSON object per line; stdout carries nothing else):
-    stdin   {"cell": [enc, talk, dec], "stream_ids": [...], "probe_ids": [...], "voice", "persona",
+    stdin   {"cell": [enc, talk, dec], "stream_ids": [...], "probe_ids": [...], "offsets_s": [...], "voice", "persona",
              "frames", "period_s", "probe_cycle_s", "open_timeout_s", "stall_timeout_s",
              "cleanup_timeout_s", "result_path"}
     stdout  {"admitted": [ids], "refused": [{"stream_id", "code", "message"}]}
@@ -32,7 +32,8 @@ GetCapacity first (the wait is recorded as slot_wait_s, outside open_s), and thi
 probes take turns at "wait for a free slot, open" so that two never claim the same one (the
 parent puts every probe slot in one load process for this).
 
-Pacing: session frame i is due at T + i * period (an absolute schedule). A send that is more than
+Pacing: session frame i is due at T + offset + i * period (an absolute schedule; `offsets_s`, one
+per stream id, place the sessions in the period: bench/pipeline.py --send-phases). A send that is more than
 RESYNC_S late re-anchors that session's schedule at now instead of bursting to catch up; every
 frame's lateness is recorded, so an overloaded client shows up in the report.
 """
@@ -279,8 +280,9 @@ async def main() -> None:
     claim = asyncio.Lock()
     progress = asyncio.create_task(report_progress(live, probes))
     try:
-        await asyncio.gather(*(drive(r, frames, i % len(frames), cfg["frames"], start_at, cfg["period_s"])
-                               for i, r in enumerate(live)),
+        offset = dict(zip(cfg["stream_ids"], cfg.get("offsets_s") or [0.0] * len(runs), strict=True))
+        await asyncio.gather(*(drive(r, frames, i % len(frames), cfg["frames"], start_at + offset[r.stream_id],
+                                     cfg["period_s"]) for i, r in enumerate(live)),
                              *(probe_slot(cell, cfg, pid, frames, start_at, end_at, probes, claim)
                                for pid in cfg.get("probe_ids", [])))
     finally:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from bench.pipeline import deal_sessions
+from bench.pipeline import deal_sessions, send_offsets
 from bench.pipeline import main as pipeline_main
 from bench.pipeline_load import probe_frames
 from bench.pipeline_report import gpu_memory_lines, probe_summary, slow_intervals, stage_timeline, summarize_run
@@ -147,6 +147,16 @@ def _cycle(j: int, open_s: float | None = 0.2, first: float | None = 0.5, sent: 
             "error": error, "cleanup_confirmed": confirmed}
 
 
+def test_spread_sessions_send_at_even_places_in_the_period_and_together_ones_at_its_start():
+    shares, _ = deal_sessions(10, 2, 3)  # 8 steady sessions over 3 processes
+    spread = send_offsets(shares, 0.08, "spread")
+    assert [len(o) for o in spread] == [len(ids) for ids in shares]
+    at = dict(zip((sid for ids in shares for sid in ids), (x for o in spread for x in o)))
+    assert sorted(at.values()) == pytest.approx([j * 0.01 for j in range(8)])  # 80 ms / 8 sessions
+    assert at["bench-n10-000"] == 0.0 and at["bench-n10-007"] == pytest.approx(0.07)
+    assert send_offsets(shares, 0.08, "together") == [[0.0] * len(ids) for ids in shares]
+
+
 def test_slow_intervals_are_set_against_the_probe_opens_and_their_base_rate():
     timeline = [{"t0": -0.5, "t": 0.0, "talker_tick_p99_ms": 300.0},  # before the start: not counted
                 {"t0": 0.0, "t": 1.0, "talker_tick_p99_ms": 70.0},
@@ -266,6 +276,7 @@ def test_stage_timeline_puts_each_interval_gc_time_beside_the_steps():
     (["--smoke", "--sessions", "4", "--fallback-sessions", "1"], "--probe-sessions K needs"),
     (["--smoke", "--probe-cycle-s", "0.1"], "two input frames"),
     (["--smoke", "--codec-sm-percent", "30"], "needs --mps"),
+    (["--smoke", "--send-phases", "random"], "spread or together"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
@@ -296,6 +307,7 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
     # N = 2: one steady session for the whole schedule, one probe slot reopening beside it.
     assert (run["sessions"], run["steady_sessions"], run["probe_slots"], run["admitted"]) == (2, 1, 1, 1)
     assert run["errors_total"] == 0 and run["cleanup_unconfirmed"] == []
+    assert 0 <= run["start_in_tick_grid_ms"] < 80
     assert run["checks"]["all_admitted"] and run["checks"]["no_errors"] and run["checks"]["all_outputs_delivered"]
 
     frames, delay = run["frames"], run["output_delay_frames"]
