@@ -118,19 +118,42 @@ def _talker_block(before: dict, after: dict) -> dict:
         "frames_advanced": int(counter_delta(before, after, "duplex_talker_frames_advanced")),
         "frames_skipped": int(counter_delta(before, after, "duplex_talker_frames_skipped")),
         "catch_up_steps": int(counter_delta(before, after, "duplex_talker_catch_up_steps")),
+        # What the late ticks held: forced catch-up steps (past the deadline for a session
+        # catch_up_lag_frames behind), slow ticks by cause, periods dropped, sessions still behind.
+        "catch_up_steps_forced": int(counter_delta(before, after, "duplex_talker_catch_up_steps_forced")),
+        "slow_ticks_by_cause": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_slow_ticks", "cause").items()},
+        "ticks_dropped": int(counter_delta(before, after, "duplex_talker_ticks_dropped")),
+        "sessions_behind_after_main_step": _count_summary(histogram_delta(before, after, "duplex_talker_sessions_behind")),
         "backlog_refusals": int(counter_delta(before, after, "duplex_talker_backlog_refusals")),
         "prefill_piece_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_prefill_piece_seconds")),
         "step_device_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_device_seconds")),
     }
 
 
+def _count_summary(h) -> dict:
+    """Mean and bucket-resolution p50 / p99 of a histogram of counts (not seconds)."""
+    if h.count == 0:
+        return {"count": 0}
+    return {"count": int(h.count), "mean": round(h.mean, 2), "p50": round(bucket_quantile(h, 0.5), 1),
+            "p99": round(bucket_quantile(h, 0.99), 1)}
+
+
 def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:
-    """Per scrape interval (about 1 s): talker tick p99 and each stage's step p99, in ms."""
+    """Per scrape interval (about 1 s): talker tick p99 and each stage's step p99, in ms; the
+    talker's catch-up steps (forced ones apart) and slow ticks by cause, where there were any."""
     rows = []
     for (t0, a), (t, b) in zip(snapshots, snapshots[1:]):
         row = {"t0": t0, "t": t}
         if a.get("talker") is not None and b.get("talker") is not None:
             row["talker_tick_p99_ms"] = _ms(bucket_quantile(histogram_delta(a["talker"], b["talker"], "duplex_talker_tick_seconds"), 0.99))
+            for key, name in (("talker_catch_ups", "duplex_talker_catch_up_steps"),
+                              ("talker_catch_ups_forced", "duplex_talker_catch_up_steps_forced"),
+                              ("talker_ticks_dropped", "duplex_talker_ticks_dropped")):
+                if n := int(counter_delta(a["talker"], b["talker"], name)):
+                    row[key] = n
+            for cause, n in counter_by_label(a["talker"], b["talker"], "duplex_talker_slow_ticks", "cause").items():
+                if int(n):
+                    row[f"talker_slow_{cause}"] = int(n)
         for s in STAGES:
             if a.get(s) is not None and b.get(s) is not None:
                 row[f"{s}_step_p99_ms"] = _ms(bucket_quantile(histogram_delta(a[s], b[s], "duplex_stage_step_seconds", stage=s), 0.99))
@@ -311,8 +334,20 @@ def print_table(result: dict) -> None:
             wall = (r["stages"].get("talker") or {}).get("step_ms", {})
             print(f"N={r['sessions']} talker step p50/p99: wall {wall.get('p50')}/{wall.get('p99')} ms, "
                   f"GPU (events around the graph) {dev['p50']}/{dev['p99']} ms")
+        if r.get("talker"):
+            print(late_tick_line(r))
     print(f"largest passing N: {result['largest_passing_sessions']}")
     print()
+
+
+def late_tick_line(run: dict) -> str:
+    """What one run's ticks over the period held, for the console."""
+    t = run["talker"]
+    causes = ", ".join(f"{k} {v}" for k, v in sorted((t.get("slow_ticks_by_cause") or {}).items())) or "none"
+    behind = t.get("sessions_behind_after_main_step") or {}
+    return (f"N={run['sessions']} slow ticks by cause: {causes}; catch-up steps {t.get('catch_up_steps')} "
+            f"({t.get('catch_up_steps_forced')} forced past the deadline); periods dropped {t.get('ticks_dropped')}; "
+            f"sessions behind after the main step mean/p99 {behind.get('mean', '-')}/{behind.get('p99', '-')}")
 
 
 def probe_line(run: dict) -> str:

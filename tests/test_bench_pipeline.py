@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from bench.pipeline import deal_sessions, send_offsets
 from bench.pipeline import main as pipeline_main
 from bench.pipeline_load import probe_frames
-from bench.pipeline_report import gpu_memory_lines, probe_summary, slow_intervals, stage_timeline, summarize_run
+from bench.pipeline_report import (_talker_block, gpu_memory_lines, late_tick_line, probe_summary, slow_intervals,
+                                   stage_timeline, summarize_run)
 from bench.pipeline_stats import (
     SessionRecord,
     backlog_series,
@@ -263,6 +264,42 @@ def test_stage_timeline_puts_each_interval_gc_time_beside_the_steps():
     snaps.append((2.0, snap()))  # no collection in this second
     rows = stage_timeline(snaps)
     assert rows[0]["talker_gc_ms"] == pytest.approx(12.0) and "talker_gc_ms" not in rows[1]
+
+
+def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
+    """Forced catch-ups, slow ticks by cause, dropped periods and sessions behind, from a real
+    TalkerMetrics registry: in the run's talker block, the console line and the per-second timeline
+    (only in the interval where they happened)."""
+    from services.common.metrics import StageMetrics
+    from services.talker.metrics import TalkerMetrics
+
+    m = TalkerMetrics(StageMetrics("talker"))
+
+    def snap():
+        return {"talker": parse_metrics(generate_latest(m.stage.registry).decode())}
+
+    snaps = [(0.0, snap())]
+    m.catch_up_steps.inc(3)
+    m.catch_up_forced.inc(2)
+    m.slow_ticks.labels(cause="catch_up").inc(2)
+    m.slow_ticks.labels(cause="late_start").inc()
+    m.ticks_dropped.inc()
+    for n in (0, 0, 4, 30):
+        m.sessions_behind.observe(n)
+    snaps.append((1.0, snap()))
+    snaps.append((2.0, snap()))  # a quiet second
+    block = _talker_block(snaps[0][1]["talker"], snaps[-1][1]["talker"])
+    assert (block["catch_up_steps"], block["catch_up_steps_forced"], block["ticks_dropped"]) == (3, 2, 1)
+    assert block["slow_ticks_by_cause"] == {"catch_up": 2, "late_start": 1}
+    assert block["sessions_behind_after_main_step"]["count"] == 4
+    assert block["sessions_behind_after_main_step"]["mean"] == pytest.approx(8.5)
+    line = late_tick_line({"sessions": 144, "talker": block})
+    assert "catch_up 2, late_start 1" in line and "(2 forced past the deadline)" in line and "dropped 1" in line
+    rows = stage_timeline(snaps)
+    assert {k: v for k, v in rows[0].items() if k.startswith(("talker_catch", "talker_slow", "talker_ticks"))} == {
+        "talker_catch_ups": 3, "talker_catch_ups_forced": 2, "talker_ticks_dropped": 1,
+        "talker_slow_catch_up": 2, "talker_slow_late_start": 1}
+    assert not any(k.startswith(("talker_catch", "talker_slow", "talker_ticks")) for k in rows[1])
 
 
 # ---- options ------------------------------------------------------------------------------------

@@ -485,7 +485,8 @@ def test_config_env_then_flags_and_bad_values():
     assert cfg.max_backlog_frames == 50  # 2 s of 40 ms frames
     assert cfg.torch_dtype == torch.float32 and replace(cfg, device="cuda").torch_dtype == torch.bfloat16
     for bad in ({"slots": 0}, {"tick_ms": 0.0}, {"max_backlog_s": 0.0}, {"dtype": "int8"}, {"context": -1},
-                {"prefill_overrun_ms": -1.0}, {"prefill_overrun_ms": 40.0}, {"input_wait_ms": 40.0}):
+                {"prefill_overrun_ms": -1.0}, {"prefill_overrun_ms": 40.0}, {"input_wait_ms": 40.0},
+                {"catch_up_lag_frames": 0}):
         with pytest.raises(ValueError):
             replace(cfg, **bad)
     with pytest.raises(SystemExit):
@@ -515,6 +516,84 @@ async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_c
         assert await clock._tick(loop.time()) == 1 and len(sess.inputs) == 1  # 1 behind: the next tick's
         assert await clock._tick(loop.time()) == 1 and len(sess.inputs) == 0
         assert await clock._tick(loop.time() + 10) == 0  # nothing queued: no step at all
+    finally:
+        for s in list(clock.sessions.values()):
+            clock.close(s)
+        await clock.stop()
+
+
+async def test_forced_catch_ups_lagging_sessions_and_slow_ticks_are_counted_and_the_lag_is_configurable(tiny_checkpoint):
+    """A catch-up step run past the deadline counts as forced, each tick observes how many sessions
+    are still behind after its main step, a tick over the period is counted by what it held, and
+    periods the clock drops are counted. With catch_up_lag_frames 3, two frames behind waits."""
+    from services.common.metrics import StageMetrics
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.metrics import TalkerMetrics
+    from services.talker.scheduler import ConversationClock
+
+    def value(m: TalkerMetrics, name: str, **labels) -> float:
+        return m.stage.registry.get_sample_value(name, labels) or 0.0
+
+    loop = asyncio.get_running_loop()
+    for lag, steps_at_2_behind in ((2, 2), (3, 1)):
+        metrics = TalkerMetrics(StageMetrics("talker"))
+        clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25,
+                                  catch_up_lag_frames=lag, metrics=metrics)
+        try:
+            sess = clock.open("lag", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+            assert await clock._prefill_idle() and sess.live
+            for i, f in enumerate(user_frames(3, 7)):
+                clock.push(sess, i, f)
+            # No time left in the period: only a forced catch-up runs.
+            assert await clock._tick(loop.time()) == steps_at_2_behind, lag
+            assert value(metrics, "duplex_talker_catch_up_steps_forced_total") == steps_at_2_behind - 1
+            assert value(metrics, "duplex_talker_sessions_behind_count") == 1
+            assert value(metrics, "duplex_talker_sessions_behind_sum") == 1  # one session, still behind after the main step
+        finally:
+            for s in list(clock.sessions.values()):
+                clock.close(s)
+            await clock.stop()
+    clock._note_slow_tick(0.15, 2, 0.0)
+    clock._note_slow_tick(0.09, 1, 0.02)
+    clock._note_slow_tick(0.09, 1, 0.001)
+    for cause in ("catch_up", "late_start", "wait_and_step"):
+        assert value(metrics, "duplex_talker_slow_ticks_total", cause=cause) == 1, cause
+    assert value(metrics, "duplex_talker_ticks_dropped_total") == 0
+    with pytest.raises(ValueError, match="catch_up_lag_frames"):
+        ConversationClock(clock.engine, SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25, catch_up_lag_frames=0)
+
+
+async def test_periods_the_clock_drops_are_counted(tiny_checkpoint):
+    """A tick that ends more than a period past its deadline makes the clock skip to the latest grid
+    time; the periods it skipped are counted, not just logged."""
+    from services.common.metrics import StageMetrics
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.metrics import TalkerMetrics
+    from services.talker.scheduler import ConversationClock
+
+    metrics = TalkerMetrics(StageMetrics("talker"))
+    clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.02, max_backlog_frames=25,
+                              metrics=metrics)
+    stall = 0.07  # a step that takes 3.5 periods
+    real_step = clock._step_on_compute_thread
+
+    def slow_step(*args):
+        time.sleep(stall)
+        return real_step(*args)
+
+    clock._step_on_compute_thread = slow_step
+    clock.start()
+    try:
+        sess = clock.open("slow", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+        while not sess.live:
+            await asyncio.sleep(0.01)
+        for i, f in enumerate(user_frames(3, 2)):
+            clock.push(sess, i, f)
+            await asyncio.sleep(0.1)
+        dropped = metrics.stage.registry.get_sample_value("duplex_talker_ticks_dropped_total")
+        assert dropped >= 2  # each 70 ms tick from its deadline ends >= 2 whole 20 ms periods late
     finally:
         for s in list(clock.sessions.values()):
             clock.close(s)

@@ -50,6 +50,11 @@ class TalkerConfig:
     # deadline: a session whose frames arrive just after the deadline is stepped on time instead
     # of alternating between a skipped tick and a catch-up step. 0 = tick on the deadline.
     input_wait_ms: float = 15.0
+    # Frames a session may still have queued after a tick's main step before the tick gives it a
+    # catch-up step even past the deadline (fewer wait for a period with room for one): below it a
+    # session stays that many frames behind, at it the tick runs late. At 144-160 full-context
+    # sessions on the H200 such forced catch-up ticks took 105-150 ms (bench/results, 2026-11-30).
+    catch_up_lag_frames: int = 2
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
     # Most prompt frames one prefill chunk runs (in a period's slack); with cuda_graph also the length
@@ -82,6 +87,8 @@ class TalkerConfig:
             raise ValueError(f"tick_phase_ms must be in [0, tick_ms), got {self.tick_phase_ms}")
         if not 0.0 <= self.input_wait_ms < self.tick_ms:
             raise ValueError(f"input_wait_ms must be in [0, tick_ms), got {self.input_wait_ms}")
+        if self.catch_up_lag_frames < 1:
+            raise ValueError(f"catch_up_lag_frames must be >= 1, got {self.catch_up_lag_frames}")
         if self.max_backlog_s <= 0:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -7,6 +7,10 @@
     duplex_talker_frames_advanced_total   counter: session frames stepped (one per input frame)
     duplex_talker_frames_skipped_total    counter: live sessions left unstepped at a tick for want of input
     duplex_talker_catch_up_steps_total    counter: extra batched steps run for sessions with a backlog
+    duplex_talker_catch_up_steps_forced_total  counter: ... of them run although they did not fit the period
+    duplex_talker_sessions_behind         histogram: per tick, live sessions with input still queued after the main step
+    duplex_talker_slow_ticks_total{cause} counter: ticks over the period, by what they held (SLOW_CAUSES)
+    duplex_talker_ticks_dropped_total     counter: periods with no tick (the clock was a whole period behind)
     duplex_talker_backlog_refusals_total  counter: streams ended because their queued input passed the bound
 
 Active streams and free slots are the common `duplex_stage_active_streams` /
@@ -25,6 +29,11 @@ TICK_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.010, 0.015, 0.020, 0.025, 
                 0.070, 0.075, 0.080, 0.090, 0.100, 0.150, 0.250, 0.5, 1.0)
 LATENESS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.010, 0.020, 0.040, 0.080, 0.160, 0.320, 1.0)
 PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+SESSIONS_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+# What a tick over the period held, first match wins: a catch-up step; a start more than 10 ms
+# after its deadline (the previous period's prefill piece or tick ran over); else its own input
+# wait and main step were too long.
+SLOW_CAUSES = ("catch_up", "late_start", "wait_and_step")
 
 
 class TalkerMetrics:
@@ -52,6 +61,19 @@ class TalkerMetrics:
                                       "Live sessions not stepped at a tick for want of input", registry=r)
         self.catch_up_steps = Counter("duplex_talker_catch_up_steps", "Extra batched steps for sessions with a backlog",
                                       registry=r)
+        self.catch_up_forced = Counter("duplex_talker_catch_up_steps_forced",
+                                       "Catch-up steps run although they did not fit before the deadline (a session "
+                                       "catch_up_lag_frames or more behind)", registry=r)
+        self.sessions_behind = Histogram("duplex_talker_sessions_behind",
+                                         "Per tick: live sessions with input still queued after the main step",
+                                         buckets=SESSIONS_BUCKETS, registry=r)
+        self.slow_ticks = Counter("duplex_talker_slow_ticks", "Ticks longer than the period, by what they held",
+                                  ["cause"], registry=r)
+        for cause in SLOW_CAUSES:
+            self.slow_ticks.labels(cause=cause)  # every series exported from the start, at 0
+        self.ticks_dropped = Counter("duplex_talker_ticks_dropped",
+                                     "Periods with no tick: the clock fell a whole period behind and ticked on the "
+                                     "latest grid time instead of running a burst of late ticks", registry=r)
         self.backlog_refusals = Counter("duplex_talker_backlog_refusals",
                                         "Streams ended because queued input passed the backlog bound", registry=r)
 

@@ -63,7 +63,8 @@ from services.common.slots import SlotPool
 
 log = logging.getLogger("talker.clock")
 
-LAG_FRAMES = 2  # queued frames after the main step from which a tick catches up past its deadline
+LAG_FRAMES = 2  # default: queued frames after the main step from which a tick catches up past its deadline
+LATE_START_S = 0.010  # a slow tick that started this late after its deadline counts as "late_start"
 # Share of the period kept free beyond the measured step (an EMA) when the clock decides whether
 # waiting for input or a catch-up step still ends before the next deadline: a step above its
 # average must end in time too. (At 96 sessions on the H200, catch-up steps that "fitted" by the
@@ -128,8 +129,11 @@ class Session:
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
                  prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, prefill_overrun_s: float = 0.0,
-                 tick_phase_s: float = 0.0, metrics=None):
+                 tick_phase_s: float = 0.0, catch_up_lag_frames: int = LAG_FRAMES, metrics=None):
+        if catch_up_lag_frames < 1:
+            raise ValueError(f"catch_up_lag_frames must be >= 1, got {catch_up_lag_frames}")
         self.engine = engine
+        self.catch_up_lag_frames = catch_up_lag_frames
         self.tick_phase_s = tick_phase_s  # deadlines at k * tick_s + tick_phase_s (services/common/frame_grid.py)
         self.prefill_overrun_s = prefill_overrun_s
         self.input_wait_s = input_wait_s
@@ -266,7 +270,7 @@ class ConversationClock:
                 if self.metrics and stepped:
                     self.metrics.tick_duration.observe(took)
                 if stepped and took > self.tick_s:
-                    self._note_slow_tick(took, stepped)
+                    self._note_slow_tick(took, stepped, started - deadline)
                 await self._prefill_in_slack(next_deadline)
                 self.ticks += 1
                 deadline = next_deadline
@@ -278,7 +282,10 @@ class ConversationClock:
                         log.warning("clock overrun: %d late tick(s) since the last report; a step takes %.1f ms, "
                                     "the period is %.1f ms", self._overruns, self._step_s * 1e3, self.tick_s * 1e3)
                         self._overruns, self._overrun_logged = 0, loop.time()
-                    deadline = last_grid_time(loop.time(), self.tick_s, self.tick_phase_s)
+                    latest = last_grid_time(loop.time(), self.tick_s, self.tick_phase_s)
+                    if self.metrics:
+                        self.metrics.ticks_dropped.inc(max(0, round((latest - deadline) / self.tick_s)))
+                    deadline = latest
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -286,8 +293,12 @@ class ConversationClock:
                 log.exception("clock tick failed")
                 deadline = next_grid_time(loop.time() + 1e-6, self.tick_s, self.tick_phase_s)
 
-    def _note_slow_tick(self, took: float, steps: int) -> None:
-        """A tick longer than the period: say what it held (at most one line per 10 s, with a count)."""
+    def _note_slow_tick(self, took: float, steps: int, late_start: float) -> None:
+        """A tick longer than the period: count it by what it held (metrics.SLOW_CAUSES) and say so
+        (at most one line per 10 s, with a count)."""
+        if self.metrics:
+            cause = "catch_up" if steps > 1 else "late_start" if late_start > LATE_START_S else "wait_and_step"
+            self.metrics.slow_ticks.labels(cause=cause).inc()
         self._slow_ticks += 1
         now = time.monotonic()
         if now - self._slow_logged < 10.0:
@@ -327,21 +338,26 @@ class ConversationClock:
             return 0
         await self._step(batch, catch_up=False)
         steps = 1
+        if self.metrics:
+            self.metrics.sessions_behind.observe(sum(1 for s in self.sessions.values() if s.live and s.inputs))
         # Catch-up: sessions that still have queued frames (a late client, a burst, a late tick)
         # get more batched steps while the measured step time fits in the period. When a step
         # takes more than half the period none would ever fit, and every late tick would leave
         # its sessions a frame further behind for good: so a session LAG_FRAMES or more behind
         # gets one catch-up step per tick even past the deadline (the next tick starts that
-        # much late, and the backlog shrinks by a frame per tick instead of never).
+        # much late, and the backlog shrinks by a frame per tick instead of never). How far behind
+        # is "lagging" is catch_up_lag_frames (TalkerConfig: the trade between latency and late ticks).
         while True:
             behind = [s for s in self.sessions.values() if s.live and s.inputs]
             if not behind:
                 return steps
             catch_up_s = self._step_s if self._catch_up_s is None else self._catch_up_s
             fits = loop.time() + catch_up_s + STEP_HEADROOM * self.tick_s <= period_end
-            lagging = steps == 1 and max(len(s.inputs) for s in behind) >= LAG_FRAMES
+            lagging = steps == 1 and max(len(s.inputs) for s in behind) >= self.catch_up_lag_frames
             if not (fits or lagging):
                 return steps
+            if not fits and self.metrics:
+                self.metrics.catch_up_forced.inc()
             await self._step(behind, catch_up=True)
             steps += 1
 
