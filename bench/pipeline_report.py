@@ -42,6 +42,7 @@ from bench.pipeline_stats import (
     output_rate_windows,
     per_second_latency,
 )
+from services.talker.metrics import STEP_PARTS
 
 STAGES = ("encoder", "talker", "decoder")
 TICK_BUDGET_S = 0.080  # one frame: a talker tick over this is a late frame for every session
@@ -124,6 +125,9 @@ def _talker_block(before: dict, after: dict) -> dict:
         "slow_ticks_by_cause": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_slow_ticks", "cause").items()},
         "ticks_dropped": int(counter_delta(before, after, "duplex_talker_ticks_dropped")),
         "sessions_behind_after_main_step": _count_summary(histogram_delta(before, after, "duplex_talker_sessions_behind")),
+        # Where a step's wall time goes (services/talker/metrics.py STEP_PARTS).
+        "step_parts_ms": {p: histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_part_seconds", part=p))
+                          for p in STEP_PARTS},
         "backlog_refusals": int(counter_delta(before, after, "duplex_talker_backlog_refusals")),
         "prefill_piece_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_prefill_piece_seconds")),
         "step_device_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_device_seconds")),
@@ -347,7 +351,9 @@ def late_tick_line(run: dict) -> str:
     behind = t.get("sessions_behind_after_main_step") or {}
     return (f"N={run['sessions']} slow ticks by cause: {causes}; catch-up steps {t.get('catch_up_steps')} "
             f"({t.get('catch_up_steps_forced')} forced past the deadline); periods dropped {t.get('ticks_dropped')}; "
-            f"sessions behind after the main step mean/p99 {behind.get('mean', '-')}/{behind.get('p99', '-')}")
+            f"sessions behind after the main step mean/p99 {behind.get('mean', '-')}/{behind.get('p99', '-')}"
+            + "; step parts p50/p99 (ms): " + ", ".join(
+                f"{p} {s.get('p50')}/{s.get('p99')}" for p, s in (t.get("step_parts_ms") or {}).items() if s.get("count")))
 
 
 def probe_line(run: dict) -> str:

@@ -286,6 +286,8 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
     m.ticks_dropped.inc()
     for n in (0, 0, 4, 30):
         m.sessions_behind.observe(n)
+    m.step_part.labels(part="gpu_wait").observe(0.045)
+    m.step_part.labels(part="loop_resume").observe(0.009)
     snaps.append((1.0, snap()))
     snaps.append((2.0, snap()))  # a quiet second
     block = _talker_block(snaps[0][1]["talker"], snaps[-1][1]["talker"])
@@ -293,7 +295,11 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
     assert block["slow_ticks_by_cause"] == {"catch_up": 2, "late_start": 1}
     assert block["sessions_behind_after_main_step"]["count"] == 4
     assert block["sessions_behind_after_main_step"]["mean"] == pytest.approx(8.5)
+    parts = block["step_parts_ms"]
+    assert parts["gpu_wait"]["count"] == parts["loop_resume"]["count"] == 1 and parts["launch"]["count"] == 0
+    assert 40 <= parts["gpu_wait"]["p50"] <= 50  # bucket resolution: (40, 50] ms
     line = late_tick_line({"sessions": 144, "talker": block})
+    assert "gpu_wait " in line and "loop_resume " in line and "launch " not in line
     assert "catch_up 2, late_start 1" in line and "(2 forced past the deadline)" in line and "dropped 1" in line
     rows = stage_timeline(snaps)
     assert {k: v for k, v in rows[0].items() if k.startswith(("talker_catch", "talker_slow", "talker_ticks"))} == {

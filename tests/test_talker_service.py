@@ -529,7 +529,7 @@ async def test_forced_catch_ups_lagging_sessions_and_slow_ticks_are_counted_and_
     from services.common.metrics import StageMetrics
     from services.common.slots import SlotPool
     from services.talker.engine import SamplingParams
-    from services.talker.metrics import TalkerMetrics
+    from services.talker.metrics import STEP_PARTS, TalkerMetrics
     from services.talker.scheduler import ConversationClock
 
     def value(m: TalkerMetrics, name: str, **labels) -> float:
@@ -550,6 +550,11 @@ async def test_forced_catch_ups_lagging_sessions_and_slow_ticks_are_counted_and_
             assert value(metrics, "duplex_talker_catch_up_steps_forced_total") == steps_at_2_behind - 1
             assert value(metrics, "duplex_talker_sessions_behind_count") == 1
             assert value(metrics, "duplex_talker_sessions_behind_sum") == 1  # one session, still behind after the main step
+            # Each step's wall time, split into its parts (metrics.STEP_PARTS), all of it accounted for.
+            parts = {p: value(metrics, "duplex_talker_step_part_seconds_sum", part=p) for p in STEP_PARTS}
+            assert all(value(metrics, "duplex_talker_step_part_seconds_count", part=p) == steps_at_2_behind for p in parts)
+            wall = value(metrics, "duplex_stage_step_seconds_sum", stage="talker")
+            assert parts["launch"] > 0 and sum(parts.values()) == pytest.approx(wall, abs=0.005)
         finally:
             for s in list(clock.sessions.values()):
                 clock.close(s)

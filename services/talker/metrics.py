@@ -11,6 +11,7 @@
     duplex_talker_sessions_behind         histogram: per tick, live sessions with input still queued after the main step
     duplex_talker_slow_ticks_total{cause} counter: ticks over the period, by what they held (SLOW_CAUSES)
     duplex_talker_ticks_dropped_total     counter: periods with no tick (the clock was a whole period behind)
+    duplex_talker_step_part_seconds{part} histogram: where a step's wall time goes (STEP_PARTS)
     duplex_talker_backlog_refusals_total  counter: streams ended because their queued input passed the bound
 
 Active streams and free slots are the common `duplex_stage_active_streams` /
@@ -34,6 +35,13 @@ SESSIONS_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
 # after its deadline (the previous period's prefill piece or tick ran over); else its own input
 # wait and main step were too long.
 SLOW_CAUSES = ("catch_up", "late_start", "wait_and_step")
+# A step's wall time (duplex_stage_step_seconds), in the order it is spent: handing it to the
+# compute thread; engine.step() up to the launch (checks, input copies, the graph launch); waiting
+# for the GPU (the outputs' copy to the host); turning outputs into lists and text pieces; and the
+# event loop getting back to the tick once the compute thread is done (a loop busy with gRPC
+# traffic delays it). On the H200 at 144 the wall was 9 ms over the GPU time in some runs and
+# not in others (bench/results/pipeline-full-context-2026-11-30): this says which part it is.
+STEP_PARTS = ("dispatch", "launch", "gpu_wait", "outputs", "loop_resume")
 
 
 class TalkerMetrics:
@@ -74,6 +82,8 @@ class TalkerMetrics:
         self.ticks_dropped = Counter("duplex_talker_ticks_dropped",
                                      "Periods with no tick: the clock fell a whole period behind and ticked on the "
                                      "latest grid time instead of running a burst of late ticks", registry=r)
+        self.step_part = Histogram("duplex_talker_step_part_seconds", "Where a step's wall time goes, by part",
+                                   ["part"], buckets=TICK_BUCKETS, registry=r)
         self.backlog_refusals = Counter("duplex_talker_backlog_refusals",
                                         "Streams ended because queued input passed the backlog bound", registry=r)
 

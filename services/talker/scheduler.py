@@ -405,7 +405,7 @@ class ConversationClock:
         self.pool.pin(slots)
         t0 = time.perf_counter()
         try:
-            result = await self.compute(self._step_on_compute_thread, codes, active)
+            result = await self.compute(self._step_on_compute_thread, codes, active, t0)
         except Exception as e:
             for s, _ in taken:
                 self.fail(s, e)
@@ -425,9 +425,14 @@ class ConversationClock:
             self.metrics.frames_advanced.inc(len(taken))
             if catch_up:
                 self.metrics.catch_up_steps.inc()
-        tokens, agent, has_out, pieces, device_s = result
-        if self.metrics and device_s is not None:
-            self.metrics.step_device.observe(device_s)
+        tokens, agent, has_out, pieces, device_s, parts = result
+        if self.metrics:
+            if device_s is not None:
+                self.metrics.step_device.observe(device_s)
+            for part, seconds in parts.items():
+                self.metrics.step_part.labels(part=part).observe(seconds)
+            # The compute thread finished at parts' end; the loop resumed this coroutine only now.
+            self.metrics.step_part.labels(part="loop_resume").observe(max(0.0, time.perf_counter() - t0 - sum(parts.values())))
         for s, seq in taken:
             if s.closed:
                 continue  # closed while its step ran: the output has nowhere to go
@@ -437,11 +442,15 @@ class ConversationClock:
                 s.out_seq += 1
             self._maybe_end(s)
 
-    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor):
-        """One engine step: its outputs as host lists, and its GPU time (None off a CUDA graph)."""
+    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor, submitted: float):
+        """One engine step: its outputs as host lists, its GPU time (None off a CUDA graph) and
+        the seconds spent in each part of it since `submitted` (metrics.STEP_PARTS)."""
+        t0 = time.perf_counter()
         r = self.engine.step(codes, active)
         packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
+        t1 = time.perf_counter()
         host = packed.cpu()
+        t2 = time.perf_counter()
         device_s = self.engine.last_step_device_s()
         rows = host.tolist()
         tokens = [row[0] for row in rows]
@@ -449,7 +458,8 @@ class ConversationClock:
         has_out = [bool(row[-1]) for row in rows]
         act = active.tolist()
         pieces = [self.engine.text_piece(t) if act[i] and has_out[i] else "" for i, t in enumerate(tokens)]
-        return tokens, agent, has_out, pieces, device_s
+        parts = {"dispatch": t0 - submitted, "launch": t1 - t0, "gpu_wait": t2 - t1, "outputs": time.perf_counter() - t2}
+        return tokens, agent, has_out, pieces, device_s, parts
 
     # ---- prefill ----------------------------------------------------------------------------
 
