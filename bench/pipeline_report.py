@@ -124,7 +124,7 @@ def _talker_block(before: dict, after: dict) -> dict:
         "catch_up_steps_forced": int(counter_delta(before, after, "duplex_talker_catch_up_steps_forced")),
         "slow_ticks_by_cause": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_slow_ticks", "cause").items()},
         "ticks_dropped": int(counter_delta(before, after, "duplex_talker_ticks_dropped")),
-        "sessions_behind_after_main_step": _count_summary(histogram_delta(before, after, "duplex_talker_sessions_behind")),
+        "sessions_behind": _count_summary(histogram_delta(before, after, "duplex_talker_sessions_behind")),
         # Where a step's wall time goes (services/talker/metrics.py STEP_PARTS).
         "step_parts_ms": {p: histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_part_seconds", part=p))
                           for p in STEP_PARTS},
@@ -348,10 +348,10 @@ def late_tick_line(run: dict) -> str:
     """What one run's ticks over the period held, for the console."""
     t = run["talker"]
     causes = ", ".join(f"{k} {v}" for k, v in sorted((t.get("slow_ticks_by_cause") or {}).items())) or "none"
-    behind = t.get("sessions_behind_after_main_step") or {}
+    behind = t.get("sessions_behind") or {}
     return (f"N={run['sessions']} slow ticks by cause: {causes}; catch-up steps {t.get('catch_up_steps')} "
             f"({t.get('catch_up_steps_forced')} forced past the deadline); periods dropped {t.get('ticks_dropped')}; "
-            f"sessions behind after the main step mean/p99 {behind.get('mean', '-')}/{behind.get('p99', '-')}"
+            f"sessions a frame or more behind per tick mean/p99 {behind.get('mean', '-')}/{behind.get('p99', '-')}"
             + "; step parts p50/p99 (ms): " + ", ".join(
                 f"{p} {s.get('p50')}/{s.get('p99')}" for p, s in (t.get("step_parts_ms") or {}).items() if s.get("count")))
 

@@ -522,6 +522,43 @@ async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_c
         await clock.stop()
 
 
+async def test_a_frame_that_arrives_during_the_main_step_does_not_force_a_catch_up(tiny_checkpoint):
+    """A session one frame behind whose next frame comes in while the main step runs is not two
+    behind: that frame is the next tick's. No catch-up step past the deadline for it (one that
+    fits still runs); with two frames behind before the main step, one does."""
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.scheduler import ConversationClock
+
+    clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25)
+    real_step = clock._step_on_compute_thread
+
+    def slow_step(*args):
+        time.sleep(0.06)  # long enough for a frame to come in meanwhile
+        return real_step(*args)
+
+    clock._step_on_compute_thread = slow_step
+    loop = asyncio.get_running_loop()
+    try:
+        sess = clock.open("jitter", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+        assert await clock._prefill_idle() and sess.live
+        frames = user_frames(8, 8)
+        for seq, extra_before in ((0, 1), (3, 2)):
+            for i in range(extra_before + 1):
+                clock.push(sess, seq + i, frames[seq + i])
+            mid_step = seq + extra_before + 1
+            loop.call_later(0.02, clock.push, sess, mid_step, frames[mid_step])
+            steps = await clock._tick(loop.time())  # no time left in the period: only a forced catch-up runs
+            assert steps == extra_before, extra_before  # 1 behind: none; 2 behind: one
+            assert len(sess.inputs) == extra_before + 1 - steps + 1  # the mid-step frame waits for the next tick
+            while sess.inputs:
+                await clock._tick(loop.time() + 10)  # room for catch-ups: drain before the next case
+    finally:
+        for s in list(clock.sessions.values()):
+            clock.close(s)
+        await clock.stop()
+
+
 async def test_forced_catch_ups_lagging_sessions_and_slow_ticks_are_counted_and_the_lag_is_configurable(tiny_checkpoint):
     """A catch-up step run past the deadline counts as forced, each tick observes how many sessions
     are still behind after its main step, a tick over the period is counted by what it held, and

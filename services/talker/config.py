@@ -50,10 +50,11 @@ class TalkerConfig:
     # deadline: a session whose frames arrive just after the deadline is stepped on time instead
     # of alternating between a skipped tick and a catch-up step. 0 = tick on the deadline.
     input_wait_ms: float = 15.0
-    # Frames a session may still have queued after a tick's main step before the tick gives it a
-    # catch-up step even past the deadline (fewer wait for a period with room for one): below it a
-    # session stays that many frames behind, at it the tick runs late. At 144-160 full-context
-    # sessions on the H200 such forced catch-up ticks took 105-150 ms (bench/results, 2026-11-30).
+    # How many frames behind a session must be (queued before a tick's main step, besides the one
+    # it takes) for the tick to give it a catch-up step even past the deadline; fewer wait for a
+    # period with room for one. Below it a session stays that many frames late, at it the tick
+    # runs late: at 144-160 full-context sessions on the H200 such ticks took 105-150 ms
+    # (bench/results, 2026-11-30).
     catch_up_lag_frames: int = 2
     max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
     max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT

@@ -336,24 +336,32 @@ class ConversationClock:
         batch = [s for s in live if s.inputs]
         if not batch:
             return 0
+        # How far behind each session is: the frames already here besides the one the main step
+        # takes. Not frames that arrive during the main step: those are the next tick's, on time.
+        lag = max(len(s.inputs) for s in batch) - 1
+        behind_before = sum(1 for s in batch if len(s.inputs) > 1)
         await self._step(batch, catch_up=False)
         steps = 1
         if self.metrics:
-            self.metrics.sessions_behind.observe(sum(1 for s in self.sessions.values() if s.live and s.inputs))
+            self.metrics.sessions_behind.observe(behind_before)
         # Catch-up: sessions that still have queued frames (a late client, a burst, a late tick)
         # get more batched steps while the measured step time fits in the period. When a step
         # takes more than half the period none would ever fit, and every late tick would leave
-        # its sessions a frame further behind for good: so a session LAG_FRAMES or more behind
-        # gets one catch-up step per tick even past the deadline (the next tick starts that
-        # much late, and the backlog shrinks by a frame per tick instead of never). How far behind
-        # is "lagging" is catch_up_lag_frames (TalkerConfig: the trade between latency and late ticks).
+        # its sessions a frame further behind for good: so a session catch_up_lag_frames or more
+        # behind (TalkerConfig: the trade between latency and late ticks) gets one catch-up step
+        # per tick even past the deadline (the next tick starts that much late, and the backlog
+        # shrinks by a frame per tick instead of never). A frame that arrived during the main step
+        # does not make its session lag: counting it made every session one frame behind (its
+        # frames reaching the talker at a jittery place in the period) force a catch-up step as
+        # soon as its next frame came in mid-step; at 144-160 full-context sessions on the H200
+        # most late ticks were such catch-ups, 105-150 ms long (bench/results, 2026-11-30).
         while True:
             behind = [s for s in self.sessions.values() if s.live and s.inputs]
             if not behind:
                 return steps
             catch_up_s = self._step_s if self._catch_up_s is None else self._catch_up_s
             fits = loop.time() + catch_up_s + STEP_HEADROOM * self.tick_s <= period_end
-            lagging = steps == 1 and max(len(s.inputs) for s in behind) >= self.catch_up_lag_frames
+            lagging = steps == 1 and lag >= self.catch_up_lag_frames
             if not (fits or lagging):
                 return steps
             if not fits and self.metrics:
