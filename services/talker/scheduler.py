@@ -63,7 +63,7 @@ from services.common.slots import SlotPool
 
 log = logging.getLogger("talker.clock")
 
-LAG_FRAMES = 2  # default: queued frames after the main step from which a tick catches up past its deadline
+LAG_FRAMES = 2  # default catch_up_lag_frames: frames behind from which a tick catches up past its deadline
 LATE_START_S = 0.010  # a slow tick that started this late after its deadline counts as "late_start"
 # Share of the period kept free beyond the measured step (an EMA) when the clock decides whether
 # waiting for input or a catch-up step still ends before the next deadline: a step above its
@@ -353,8 +353,9 @@ class ConversationClock:
         # shrinks by a frame per tick instead of never). A frame that arrived during the main step
         # does not make its session lag: counting it made every session one frame behind (its
         # frames reaching the talker at a jittery place in the period) force a catch-up step as
-        # soon as its next frame came in mid-step; at 144-160 full-context sessions on the H200
-        # most late ticks were such catch-ups, 105-150 ms long (bench/results, 2026-11-30).
+        # soon as its next frame came in mid-step. (At 144-160 full-context sessions on the H200
+        # most late ticks were forced catch-ups, 105-150 ms long, bench/results 2026-11-30; how
+        # many of them this caused was not measured.)
         while True:
             behind = [s for s in self.sessions.values() if s.live and s.inputs]
             if not behind:
