@@ -567,10 +567,11 @@ def deal_sessions(n: int, probes: int, procs: int) -> tuple[list[list[str]], lis
 
 def send_offsets(shares: list[list[str]], period: float, how: str) -> list[list[float]]:
     """Per load process, each steady session's send offset in the period (seconds after the start):
-    "together" all 0; "spread" session j of S (in stream-id order across processes) at j/S * period."""
+    "together" all 0; "spread" session j of S (in stream-id order, so each process's round-robin
+    share is spread over the whole period too) at j/S * period."""
     if how == "together":
         return [[0.0] * len(ids) for ids in shares]
-    order = sorted(sid for ids in shares for sid in ids)
+    order = sorted((sid for ids in shares for sid in ids), key=lambda sid: (len(sid), sid))  # ids are numbered: 999 < 1000
     at = {sid: j * period / len(order) for j, sid in enumerate(order)}
     return [[round(at[sid], 6) for sid in ids] for ids in shares]
 

@@ -155,6 +155,9 @@ def test_spread_sessions_send_at_even_places_in_the_period_and_together_ones_at_
     at = dict(zip((sid for ids in shares for sid in ids), (x for o in spread for x in o)))
     assert sorted(at.values()) == pytest.approx([j * 0.01 for j in range(8)])  # 80 ms / 8 sessions
     assert at["bench-n10-000"] == 0.0 and at["bench-n10-007"] == pytest.approx(0.07)
+    assert spread[0] == pytest.approx([0.0, 0.03, 0.06])  # a process's round-robin share spans the period
+    many, _ = deal_sessions(1002, 2, 1)  # ids 000 .. 999, 1000: numbered, not sorted as text
+    assert send_offsets(many, 0.08, "spread")[0][-1] == pytest.approx(0.08 * 999 / 1000)
     assert send_offsets(shares, 0.08, "together") == [[0.0] * len(ids) for ids in shares]
 
 
