@@ -11,7 +11,8 @@ it; and, for the last piece, the CUDA runtime calls the host made, from torch.pr
 blocks, e.g. cudaStreamSynchronize or cudaMalloc, shows as a long one) and the lines of ours that
 synchronized with the GPU (torch.cuda.set_sync_debug_mode). Then what a step costs
 with 1, 4, 16 and all rows active (a catch-up step runs only the sessions still behind), and the
-prefill chunk's kernels, run eagerly once (a graph replay hides them). Writes prefill_profile.json.
+kernels of each captured prefill chunk (one per ring window it reads: engine.PREFILL_GRAPH_WINDOWS),
+run eagerly once (a graph replay hides them). Writes prefill_profile.json.
 """
 
 from __future__ import annotations
