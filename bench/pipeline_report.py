@@ -37,6 +37,7 @@ from bench.pipeline_stats import (
     fraction_le,
     gpu_memory,
     histogram_delta,
+    histogram_summary_counts,
     histogram_summary_ms,
     ms_summary,
     output_rate_windows,
@@ -124,7 +125,7 @@ def _talker_block(before: dict, after: dict) -> dict:
         "catch_up_steps_forced": int(counter_delta(before, after, "duplex_talker_catch_up_steps_forced")),
         "slow_ticks_by_cause": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_slow_ticks", "cause").items()},
         "ticks_dropped": int(counter_delta(before, after, "duplex_talker_ticks_dropped")),
-        "sessions_behind": _count_summary(histogram_delta(before, after, "duplex_talker_sessions_behind")),
+        "sessions_behind": histogram_summary_counts(histogram_delta(before, after, "duplex_talker_sessions_behind")),
         # Where a step's wall time goes (services/talker/metrics.py STEP_PARTS).
         "step_parts_ms": {p: histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_part_seconds", part=p))
                           for p in STEP_PARTS},
@@ -132,14 +133,6 @@ def _talker_block(before: dict, after: dict) -> dict:
         "prefill_piece_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_prefill_piece_seconds")),
         "step_device_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_device_seconds")),
     }
-
-
-def _count_summary(h) -> dict:
-    """Mean and bucket-resolution p50 / p99 of a histogram of counts (not seconds)."""
-    if h.count == 0:
-        return {"count": 0}
-    return {"count": int(h.count), "mean": round(h.mean, 2), "p50": round(bucket_quantile(h, 0.5), 1),
-            "p99": round(bucket_quantile(h, 0.99), 1)}
 
 
 def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:

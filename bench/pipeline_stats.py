@@ -129,6 +129,14 @@ def histogram_summary_ms(h: Histogram) -> dict:
             "mean": ms(h.mean)}
 
 
+def histogram_summary_counts(h: Histogram) -> dict:
+    """Bucket-resolution p50/p99 and mean of a histogram of counts (not seconds), with its count."""
+    if h.count == 0:
+        return {"count": 0}
+    return {"count": int(h.count), "mean": round(h.mean, 2), "p50": round(bucket_quantile(h, 0.5), 1),
+            "p99": round(bucket_quantile(h, 0.99), 1)}
+
+
 # ---- per-frame client records ------------------------------------------------------------------
 
 @dataclass
