@@ -57,8 +57,11 @@ DEFINITIONS = {
     "stage quantiles": "Prometheus histogram bucket deltas over the run (before start -> after the last output), "
                        "interpolated inside a bucket: bucket resolution",
     "talker_tick": "one conversation-clock tick that stepped, from its deadline to its last step's outputs "
-                   "(input wait, main batched step, catch-up steps; prefill runs after it, in the slack)",
-    "talker_prefill_piece": "one prefill piece (begin and/or a prompt chunk) run in a period's slack, on the device",
+                   "(input wait, main batched step with the host work of a prefill piece riding it, catch-up steps; "
+                   "the piece's GPU work and any pieces run alone come after it, in the slack)",
+    "talker_prefill_piece": "one prefill piece (begin and/or a prompt chunk) run alone (in a period's slack or with no "
+                            "session live), GPU time included; a piece riding a main step is counted in "
+                            "prefill_pieces['step'] and its host time is the step part 'prefill'",
     "talker_step_device": "GPU time of one graphed talker step (CUDA events around the replay; none on the CPU); "
                           "the step's wall time minus this is host time and waiting",
     "pass": "talker ticks <= 80 ms for >= 99% (exact: 80 ms is a bucket bound), every session admitted, no "
@@ -131,6 +134,7 @@ def _talker_block(before: dict, after: dict) -> dict:
                           for p in STEP_PARTS},
         "backlog_refusals": int(counter_delta(before, after, "duplex_talker_backlog_refusals")),
         "prefill_piece_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_prefill_piece_seconds")),
+        "prefill_pieces": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_prefill_pieces", "where").items()},
         "step_device_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_device_seconds")),
     }
 
@@ -357,8 +361,10 @@ def probe_line(run: dict) -> str:
         return "-" if x is None else f"{x:.1f}"
 
     piece = (run.get("talker") or {}).get("prefill_piece_ms") or {}
-    pieces = (f"; talker prefill pieces p50/p99 {ms(piece.get('p50'))}/{ms(piece.get('p99'))} ms"
-              if piece.get("count") else "")
+    where = (run.get("talker") or {}).get("prefill_pieces") or {}
+    pieces = (f"; talker prefill pieces riding a step {where.get('step', 0)}, alone {where.get('alone', 0)}"
+              if where else "")
+    pieces += (f" (alone p50/p99 {ms(piece.get('p50'))}/{ms(piece.get('p99'))} ms)" if piece.get("count") else "")
     return (f"N={run['sessions']} probes ({p['slots']} of N, {p['cycles']} opens beside {run['steady_sessions']} steady): "
             f"open p50/p99 {ms(p['open_ms']['p50'])}/{ms(p['open_ms']['p99'])} ms, "
             f"first audio p50/p99 {ms(p['first_audio_ms']['p50'])}/{ms(p['first_audio_ms']['p99'])} ms, "

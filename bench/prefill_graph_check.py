@@ -7,7 +7,9 @@ The tiny checkpoint in fp32 on the GPU, fp32 and fp8 KV: a session in slot 0 is 
 while a session with a voice and a persona prefills in slot 2, three frames per step (so prompt
 chunks run between steps, each padded to the graph's 4-frame chunk, reading 8, 16, then all ring
 entries as the prompt grows); then both talk for 30 frames. Compared: every output token and
-code of both sessions, the written part of slot 2's KV ring and its length after the prompt.
+code of both sessions, the written part of slot 2's KV ring and its length after the prompt. The
+graphed run also checks that slot 2's begin() and chunks never wait for the GPU (they ride a
+running step in the service): any host sync raises there.
 """
 
 from __future__ import annotations
@@ -21,18 +23,27 @@ from services.talker.engine import SamplingParams, TalkerEngine
 from tools.make_checkpoint import ensure_checkpoint
 
 
-def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor) -> list:
+def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor, no_sync: bool) -> list:
     """Slot 0 goes live (no prompt) and talks while slot 2's prompt (a voice and a persona) runs
-    behind its steps, three frames per step. Returns slot 0's step results meanwhile; frames[i]
-    is step i's input."""
+    behind its steps, three frames per step, begun behind the first step as a piece riding it
+    would be (services/talker/scheduler.py, prefill_in_step). Returns slot 0's step results
+    meanwhile; frames[i] is step i's input. no_sync: begin() and the chunks run with CUDA's sync
+    debug mode at "error", so any wait for the GPU (which would make the piece wait for the
+    step it rides) raises."""
     job0 = eng.begin(0, None, "", SamplingParams(greedy=True))
     while not job0.run(64):
         pass
-    job2 = eng.begin(2, "NATF2.pt", "You are a calm assistant.", SamplingParams(seed=5))
-    results, active = [], torch.tensor([True, False, False])
-    while not job2.done:
+    job2, results, active = None, [], torch.tensor([True, False, False])
+    while job2 is None or not job2.done:
         results.append(eng.step(frames[len(results)], active))  # slot 0 talks ...
-        job2.run(3)  # ... while slot 2's prompt runs behind its step
+        if no_sync:
+            torch.cuda.set_sync_debug_mode("error")
+        try:  # ... while slot 2's prompt runs behind its step
+            if job2 is None:
+                job2 = eng.begin(2, "NATF2.pt", "You are a calm assistant.", SamplingParams(seed=5))
+            job2.run(3)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     return results
 
 
@@ -44,7 +55,7 @@ def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool) -> tuple[list, torc
     eng.warmup(("NATF2.pt",))
     g = torch.Generator().manual_seed(0)
     frames = torch.randint(0, eng.card, (60, 3, 8), generator=g)
-    results = talk_while_prefilling(eng, frames)
+    results = talk_while_prefilling(eng, frames, no_sync=graphed)
     outs, t = [r.agent_codes[0].tolist() for r in results], len(results)
     length = int(eng.kv.length[2])
     # The written positions only: past them a graphed chunk leaves its padding (never read).

@@ -291,12 +291,14 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
         m.sessions_behind.observe(n)
     m.step_part.labels(part="gpu_wait").observe(0.045)
     m.step_part.labels(part="loop_resume").observe(0.009)
+    m.prefill_pieces.labels(where="step").inc(5)
     snaps.append((1.0, snap()))
     snaps.append((2.0, snap()))  # a quiet second
     block = _talker_block(snaps[0][1]["talker"], snaps[-1][1]["talker"])
     assert (block["catch_up_steps"], block["catch_up_steps_forced"], block["ticks_dropped"]) == (3, 2, 1)
     assert block["slow_ticks_by_cause"] == {"catch_up": 2, "late_start": 1}
     assert block["sessions_behind"]["count"] == 4
+    assert block["prefill_pieces"] == {"step": 5}  # none alone: zeros are left out
     assert block["sessions_behind"]["mean"] == pytest.approx(8.5)
     parts = block["step_parts_ms"]
     assert parts["gpu_wait"]["count"] == parts["loop_resume"]["count"] == 1 and parts["launch"]["count"] == 0

@@ -675,7 +675,8 @@ async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_s
     """With a session live, a new session's prompt runs after the tick's outputs, in the period's
     slack (begin + a whole chunk, oldest first), never inside the tick; it then talks exactly like
     a session run alone. A begin() that refuses (a voice the engine lacks) fails that session only.
-    A piece that does not fit the slack waits, unless the prompt has starved for two periods."""
+    A piece that does not fit the slack waits, unless the prompt has starved for two periods.
+    (prefill_in_step off: the slack is then the only place prompts run.)"""
     from services.common.checkpoint import InvalidVoice
     from services.common.slots import SlotPool
     from services.talker.engine import SamplingParams
@@ -683,7 +684,8 @@ async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_s
 
     eng = engine(tiny_checkpoint, "served")
     pool = SlotPool(SLOTS)
-    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64)
+    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64,
+                              prefill_in_step=False)
     loop = asyncio.get_running_loop()
     voice, greedy = first_voice(tiny_checkpoint), SamplingParams(greedy=True, seed=1)
     try:
@@ -723,6 +725,66 @@ async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_s
         await clock.stop()
 
 
+async def test_a_prefill_piece_rides_the_main_step_and_only_fails_its_own_session(tiny_checkpoint):
+    """prefill_in_step: each main step carries one piece of the oldest waiting prompt (its host
+    work while the step runs, its chunk queued behind it), a catch-up step none, and nothing is
+    forced into the slack. The session then talks exactly like one run alone; a begin() that
+    refuses, riding a step, fails that session only and the step's outputs still come."""
+    from services.common.checkpoint import InvalidVoice
+    from services.common.metrics import StageMetrics
+    from services.common.slots import SlotPool
+    from services.talker.engine import SamplingParams
+    from services.talker.metrics import TalkerMetrics
+    from services.talker.scheduler import ConversationClock, Ready
+
+    def value(name: str, **labels) -> float:
+        return metrics.stage.registry.get_sample_value(name, labels) or 0.0
+
+    eng, pool, metrics = engine(tiny_checkpoint, "served"), SlotPool(SLOTS), TalkerMetrics(StageMetrics("talker"))
+    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64, metrics=metrics)
+    loop = asyncio.get_running_loop()
+    voice, greedy = first_voice(tiny_checkpoint), SamplingParams(greedy=True, seed=1)
+    try:
+        first = clock.open("first", pool.acquire(), None, "", greedy, 1)
+        assert await clock._prefill_idle() and first.live  # nobody live: a piece alone, in idle time
+        bad = clock.open("bad", pool.acquire(), "NOT-A-VOICE.pt", PERSONA, greedy, 1)
+        mine_slot = pool.acquire()
+        mine = clock.open("mine", mine_slot, voice, PERSONA, greedy, 1)
+        frames = user_frames(14, 3)
+        clock.push(first, 0, frames[0])
+        clock.push(first, 1, frames[1])  # a frame behind: a catch-up step follows the main step
+        clock._catch_up_s = 0.0
+        assert await clock._tick(loop.time() + 10) == 2
+        # The main step carried bad's piece (the oldest waiting): refused, bad alone fails.
+        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed
+        assert not first.inputs and clock.steps == 2  # both of first's frames stepped
+        assert mine.job is None and not mine.pieces_ms  # the catch-up step carried none
+        # The slack forces nothing, however short: the next main step takes the next piece.
+        clock._piece_s, clock._slack_s, clock._prefill_progress = 0.05, 0.001, loop.time() - 1.0
+        await clock._prefill_in_slack(loop.time() + 0.001)
+        assert mine.job is None and not mine.pieces_ms
+        clock.push(first, 2, frames[2])
+        assert await clock._tick(loop.time() + 10) == 1
+        assert mine.live and len(mine.pieces_ms) == 1  # its whole prompt: one chunk, riding the step
+        assert isinstance(mine.outbox.get_nowait(), Ready) and clock.steps == 3
+        assert value("duplex_talker_prefill_pieces_total", where="step") == 2
+        assert value("duplex_talker_prefill_pieces_total", where="alone") == 1
+        assert value("duplex_talker_step_part_seconds_sum", part="prefill") > 0
+        got = []
+        for i, f in enumerate(frames):  # mine talks beside first, as if alone
+            clock.push(mine, i, f)
+            clock.push(first, i + 3, frames[(i + 3) % len(frames)])
+            await clock._tick(loop.time() + 10)
+            while not mine.outbox.empty():
+                out = mine.outbox.get_nowait()
+                got.append((out.text_token, out.agent_codes))
+        assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
+    finally:
+        for sess in list(clock.sessions.values()):
+            clock.close(sess)
+        await clock.stop()
+
+
 async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tiny_checkpoint):
     """When the slack the ticks leave (an EMA) is shorter than a piece, waiting two periods for
     one that fits would only delay the new session: the piece runs in the first period, and
@@ -733,7 +795,7 @@ async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tin
 
     pool = SlotPool(SLOTS)
     clock = ConversationClock(engine(tiny_checkpoint, "served"), pool, tick_s=0.08, max_backlog_frames=25,
-                              prefill_chunk_frames=64)
+                              prefill_chunk_frames=64, prefill_in_step=False)
     loop = asyncio.get_running_loop()
     greedy = SamplingParams(greedy=True, seed=1)
     try:

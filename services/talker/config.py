@@ -61,6 +61,9 @@ class TalkerConfig:
     # Most prompt frames one prefill chunk runs (in a period's slack); with cuda_graph also the length
     # of the captured chunk (shorter ones are padded to it).
     prefill_chunk_frames: int = 64
+    # Run one prefill piece per main step, its host work while the GPU runs the step and its GPU
+    # work right behind it (scheduler module doc). Off: pieces run only in the slack after a tick.
+    prefill_in_step: bool = True
     # How far past the next deadline a prefill piece may end (0 = it must end before it): at most
     # so far that the next tick, starting that much late, still ends within its period by the
     # measured step. A piece that does not fit either way waits (two periods at most).

@@ -214,7 +214,7 @@ class _PrefillGraph:
         self.tokens[0, :n].copy_(to_device(tokens, eng.device))
         self.slot.copy_(slot_t)
         self.graph.replay()
-        eng.kv.length[slot] = start + n  # not start + frames: the padding is not part of the prompt
+        eng.kv.length[slot].fill_(start + n)  # not start + frames: the padding is not part of the prompt
 
 
 class TalkerEngine:
@@ -537,27 +537,29 @@ class TalkerEngine:
             self._jobs[slot] = None
         self._live[slot] = False
         self.kv.reset(slot)
-        self.hist[slot] = prompt.UNKNOWN
-        self.offset[slot] = 0
-        self.start[slot] = 1
+        # fill_, not `t[slot] = value`: assigning a Python number to a CUDA tensor element copies it
+        # from pageable host memory, which waits for the GPU, here for the step a piece rides.
+        self.hist[slot].fill_(prompt.UNKNOWN)
+        self.offset[slot].fill_(0)
+        self.start[slot].fill_(1)
 
     def _set_sampling(self, slot: int, s: SamplingParams) -> None:
-        self.seed[slot] = s.seed
-        self._text.greedy[slot] = s.greedy
-        self._text.temperature[slot] = float(s.text_temperature)
-        self._text.top_k[slot] = s.text_top_k
-        self._audio.temperature[slot] = float(s.audio_temperature)
-        self._audio.top_k[slot] = s.audio_top_k
+        self.seed[slot].fill_(s.seed)  # fill_: no wait for the GPU (_reset_slot)
+        self._text.greedy[slot].fill_(s.greedy)
+        self._text.temperature[slot].fill_(float(s.text_temperature))
+        self._text.top_k[slot].fill_(s.text_top_k)
+        self._audio.temperature[slot].fill_(float(s.audio_temperature))
+        self._audio.top_k[slot].fill_(s.audio_top_k)
         self._text_k[slot], self._audio_k[slot] = s.text_top_k, s.audio_top_k
 
     def _go_live(self, slot: int, cols: prompt.PromptColumns) -> None:
         """Prefill finished: the token history after the prompt; the first live step reads column F-1."""
         self.hist[slot] = to_device(cols.ring, self.device)
-        self.offset[slot] = cols.frames - 1
-        self.start[slot] = cols.frames
+        self.offset[slot].fill_(cols.frames - 1)  # fill_: no wait for the GPU (_reset_slot)
+        self.start[slot].fill_(cols.frames)
         if self.bench_full_context:
             # The same ring indices (positions move by a whole ring), but every index is now valid.
-            self.kv.length[slot] += self.context
+            self.kv.length[slot].add_(self.context)
         self._live[slot] = True
         self._jobs[slot] = None
 

@@ -61,7 +61,7 @@ class KVCache:
             slot = int(slot)
         if not isinstance(slot, int) or not 0 <= slot < self.slots:
             raise IndexError(f"slot {slot!r} is out of range for a cache of {self.slots} slots")
-        self.length[slot] = 0
+        self.length[slot].fill_(0)  # not `= 0`: that copies from pageable memory, waiting for the GPU
         for t in self._stores():
             t[:, slot].zero_()
 
@@ -87,7 +87,7 @@ class KVCache:
                              f"only an unwrapped slot copies into a longer ring")
         for ours, theirs in zip(self._stores(), src._stores(), strict=True):
             ours[:, dst_slot, :, :n].copy_(theirs[:, src_slot])
-        self.length[dst_slot] = src.length[src_slot]
+        self.length[dst_slot].copy_(src.length[src_slot])
 
     def save_entries(self, idx: torch.Tensor) -> list[torch.Tensor]:
         """The entry at ring index idx[s] of every slot s, in every layer (for `restore_entries`)."""

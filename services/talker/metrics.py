@@ -3,6 +3,7 @@
     duplex_talker_tick_seconds            histogram: one clock tick that stepped (main step + catch-up steps)
     duplex_talker_tick_lateness_seconds   histogram: how late a tick started after its deadline
     duplex_talker_prefill_seconds         histogram: open -> prompt in the slot (wall time)
+    duplex_talker_prefill_pieces_total{where}  counter: prefill pieces, riding a main step or run alone (PIECE_PLACES)
     duplex_talker_input_wait_seconds      histogram: a tick's wait at its deadline for due frames (input_wait_ms)
     duplex_talker_frames_advanced_total   counter: session frames stepped (one per input frame)
     duplex_talker_frames_skipped_total    counter: live sessions left unstepped at a tick for want of input
@@ -35,13 +36,17 @@ SESSIONS_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
 # after its deadline (the previous period's prefill piece or tick ran over); else its own input
 # wait and main step were too long.
 SLOW_CAUSES = ("catch_up", "late_start", "wait_and_step")
+# Where a prefill piece ran: riding a main step (its host work during the step's GPU time) or
+# alone, in a period's slack or while no session is live (scheduler module doc).
+PIECE_PLACES = ("step", "alone")
 # A step's wall time (duplex_stage_step_seconds), in the order it is spent: handing it to the
-# compute thread; engine.step() up to the launch (checks, input copies, the graph launch); waiting
-# for the GPU (the outputs' copy to the host); turning outputs into lists and text pieces; and the
+# compute thread; engine.step() up to the launch (checks, input copies, the graph launch, the
+# outputs' copy queued); the host work of a prefill piece riding the step (0 without one); waiting
+# for the GPU (the outputs on the host); turning outputs into lists and text pieces; and the
 # event loop getting back to the tick once the compute thread is done (a loop busy with gRPC
 # traffic delays it). On the H200 at 144 the wall was 9 ms over the GPU time in some runs and
 # not in others (bench/results/pipeline-full-context-2026-11-30): this says which part it is.
-STEP_PARTS = ("dispatch", "launch", "gpu_wait", "outputs", "loop_resume")
+STEP_PARTS = ("dispatch", "launch", "prefill", "gpu_wait", "outputs", "loop_resume")
 
 
 class TalkerMetrics:
@@ -59,8 +64,13 @@ class TalkerMetrics:
                                      "time (duplex_stage_step_seconds) minus this is host time and waiting",
                                      buckets=TICK_BUCKETS, registry=r)
         self.prefill_piece = Histogram("duplex_talker_prefill_piece_seconds",
-                                       "One prefill piece (begin and/or a prompt chunk) in a period's slack, on the device",
+                                       "One prefill piece (begin and/or a prompt chunk) run alone (in a period's slack "
+                                       "or with no session live), GPU time included",
                                        buckets=TICK_BUCKETS, registry=r)
+        self.prefill_pieces = Counter("duplex_talker_prefill_pieces", "Prefill pieces run, by where (riding a main "
+                                      "step or alone)", ["where"], registry=r)
+        for where in PIECE_PLACES:
+            self.prefill_pieces.labels(where=where)
         self.input_wait = Histogram("duplex_talker_input_wait_seconds",
                                     "A tick's wait at its deadline for frames that are due but not here yet",
                                     buckets=LATENESS_BUCKETS, registry=r)

@@ -12,6 +12,7 @@ services/common/frame_grid.py, so other processes can place their work around th
     deadline ──▶ wait for due frames: up to input_wait_s for sessions whose frame is
                    due but not here yet (below), never past the step's slack
                  main step: every live session with a queued frame, one frame each
+                   (+ one prefill piece riding it: host work during the step, GPU work after it)
                  catch-up steps: sessions that still have queued frames, while the
                    measured catch-up step time (plus a tenth of the period) still fits
                    before the next deadline
@@ -19,19 +20,25 @@ services/common/frame_grid.py, so other processes can place their work around th
                  prefill: pieces of the oldest waiting prompt in the period's slack (below)
                  sleep until the next deadline (woken early by new work)
 
-Prefill runs after the tick's outputs, in the slack before the next deadline: one piece
-(begin() and up to prefill_chunk_frames prompt frames of the oldest waiting session) when the
-measured piece time (an EMA, plus a tenth of the period) fits, more while they fit. One piece
-per period runs even when it does not fit: if the prompt has made no progress for two periods
-(so a full clock delays a new session instead of starving it), and at once if the slack the
-ticks have been leaving (an EMA) is shorter than a piece. Then no later period would hold it
-either, the tick after it is late whenever it runs, and waiting would only add two periods to
-the new session's time to first audio (at 144 full-context sessions on the H200 a piece took
-44 ms at load against 24 ms of slack; bench/results, run 13). With prefill_overrun_s a piece also fits
-when it ends at most that far past the deadline and the next tick, starting that late, still
-ends within its period by the measured step. A piece used to ride behind the main step
-to hide its launch time; on the H200 at 128 full-context sessions that stretched the step from
-45 to about 80 ms on the tick each opening session's prompt rode, 3 % of all ticks (bench/results).
+A new session's prompt runs in pieces: begin() and up to prefill_chunk_frames prompt frames of
+the oldest waiting session. With prefill_in_step (the default) one piece rides each main step:
+the compute thread launches the step's graph, queues the outputs' copy to the host, and then, while
+the GPU runs the step, does the piece's host work (begin(), the chunk's launch) and queues the
+chunk behind the step; it waits only for the outputs. The tick's outputs are not delayed by the
+chunk's GPU time (about 10 ms at full size), which runs in the period's slack, and the piece's host
+time (15-45 ms at 144-160 full-context sessions on the H200, where the gRPC loop competes for the
+GIL) hides behind the step's 45-55 ms of GPU time. Run in the slack instead, such a piece took
+30-40 ms against 15-20 ms of slack, so every opening session made a tick late (bench/results,
+2026-11-30, run 19). (Pieces once rode the step with the outputs waiting for the chunk too: at
+128 sessions that stretched the tick each piece rode from 45 to about 80 ms.)
+
+After the tick's outputs, more pieces run in the slack before the next deadline while the
+measured piece time (an EMA, plus a tenth of the period) fits. Without prefill_in_step one piece
+per period runs even when it does not fit: if the prompt has made no progress for two periods (so
+a full clock delays a new session instead of starving it), and at once if the slack the ticks have
+been leaving (an EMA) is shorter than a piece. With prefill_overrun_s a piece also fits when it
+ends at most that far past the deadline and the next tick, starting that late, still ends within
+its period by the measured step.
 When no session is live, prefill runs in whole chunks while the clock sleeps.
 
 Frames arrive with jitter. A session whose frames reach the talker near the deadline would
@@ -129,7 +136,8 @@ class Session:
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
                  prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, prefill_overrun_s: float = 0.0,
-                 tick_phase_s: float = 0.0, catch_up_lag_frames: int = LAG_FRAMES, metrics=None):
+                 tick_phase_s: float = 0.0, catch_up_lag_frames: int = LAG_FRAMES, prefill_in_step: bool = True,
+                 metrics=None):
         if catch_up_lag_frames < 1:
             raise ValueError(f"catch_up_lag_frames must be >= 1, got {catch_up_lag_frames}")
         self.engine = engine
@@ -141,6 +149,7 @@ class ConversationClock:
         self.tick_s = tick_s
         self.max_backlog_frames = max_backlog_frames
         self.prefill_chunk_frames = prefill_chunk_frames
+        self.prefill_in_step = prefill_in_step  # a prefill piece rides each main step (module doc)
         self.metrics = metrics
         self.sessions: dict[int, Session] = {}  # slot -> session
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="talker-compute")
@@ -158,6 +167,7 @@ class ConversationClock:
         self._prefill_progress = 0.0  # loop time of the last prefill work (starvation guard)
         self._piece_s = 0.0  # measured prefill piece time (EMA, seconds): does one fit in the slack?
         self._slack_s: float | None = None  # time left in the period after a tick (EMA, seconds)
+        self._host_out: torch.Tensor | None = None  # pinned buffer the step's outputs are copied into (CUDA)
         self._overruns = 0
         self._overrun_logged = float("-inf")
         self._slow_ticks = 0
@@ -411,10 +421,14 @@ class ConversationClock:
             taken.append((s, seq))
         codes, active = torch.tensor(rows, dtype=torch.long), torch.tensor(act, dtype=torch.bool)
         slots = [s.slot for s, _ in taken]
+        # A waiting prompt's next piece rides the main step (module doc). No await between picking
+        # it and submitting the step: a close() can only queue its release behind this step.
+        rider = None if catch_up or not self.prefill_in_step else self._prefill_candidate()
+        piece = (rider.job, self._begin_args(rider)) if rider is not None else None
         self.pool.pin(slots)
         t0 = time.perf_counter()
         try:
-            result = await self.compute(self._step_on_compute_thread, codes, active, t0)
+            result = await self.compute(self._step_on_compute_thread, codes, active, t0, piece)
         except Exception as e:
             for s, _ in taken:
                 self.fail(s, e)
@@ -434,7 +448,9 @@ class ConversationClock:
             self.metrics.frames_advanced.inc(len(taken))
             if catch_up:
                 self.metrics.catch_up_steps.inc()
-        tokens, agent, has_out, pieces, device_s, parts = result
+        tokens, agent, has_out, pieces, device_s, parts, ridden = result
+        if rider is not None:
+            self._record_piece(rider, ridden, "step")
         if self.metrics:
             if device_s is not None:
                 self.metrics.step_device.observe(device_s)
@@ -451,14 +467,22 @@ class ConversationClock:
                 s.out_seq += 1
             self._maybe_end(s)
 
-    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor, submitted: float):
-        """One engine step: its outputs as host lists, its GPU time (None off a CUDA graph) and
-        the seconds spent in each part of it since `submitted` (metrics.STEP_PARTS)."""
+    def _step_on_compute_thread(self, codes: torch.Tensor, active: torch.Tensor, submitted: float,
+                                piece: tuple | None = None):
+        """One engine step: its outputs as host lists, its GPU time (None off a CUDA graph), the
+        seconds spent in each part of it since `submitted` (metrics.STEP_PARTS) and, with `piece`
+        (job, begin args), that prefill piece's _prefill_piece result: its host work runs while
+        the GPU runs the step, its GPU work queues behind the step's, and only the step's outputs
+        are waited for (module doc)."""
         t0 = time.perf_counter()
         r = self.engine.step(codes, active)
         packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
+        host, copied = self._queue_to_host(packed)
         t1 = time.perf_counter()
-        host = packed.cpu()
+        ridden = self._prefill_piece(*piece, wait=False) if piece is not None else None
+        t_piece = time.perf_counter()
+        if copied is not None:
+            copied.synchronize()
         t2 = time.perf_counter()
         device_s = self.engine.last_step_device_s()
         rows = host.tolist()
@@ -467,8 +491,21 @@ class ConversationClock:
         has_out = [bool(row[-1]) for row in rows]
         act = active.tolist()
         pieces = [self.engine.text_piece(t) if act[i] and has_out[i] else "" for i, t in enumerate(tokens)]
-        parts = {"dispatch": t0 - submitted, "launch": t1 - t0, "gpu_wait": t2 - t1, "outputs": time.perf_counter() - t2}
-        return tokens, agent, has_out, pieces, device_s, parts
+        parts = {"dispatch": t0 - submitted, "launch": t1 - t0, "prefill": t_piece - t1, "gpu_wait": t2 - t_piece,
+                 "outputs": time.perf_counter() - t2}
+        return tokens, agent, has_out, pieces, device_s, parts, ridden
+
+    def _queue_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """t's copy into host memory, queued behind the GPU's work, and the event that marks it
+        done (None: t is already on the host). Work queued after it does not delay it."""
+        if t.device.type != "cuda":
+            return t, None
+        if self._host_out is None or self._host_out.shape != t.shape or self._host_out.dtype != t.dtype:
+            self._host_out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host_out.copy_(t, non_blocking=True)  # read only after the event, before the next step's copy
+        done = torch.cuda.Event()
+        done.record()
+        return self._host_out, done
 
     # ---- prefill ----------------------------------------------------------------------------
 
@@ -493,8 +530,9 @@ class ConversationClock:
         forced = False
         while self._prefill_waiting():
             if not self._piece_fits(loop.time(), period_end):
+                # Riding the main step, a prompt makes progress every tick: no piece is forced here.
                 starving = loop.time() - self._prefill_progress > 2 * self.tick_s
-                if forced or not (starving or self._slack_too_short()):
+                if forced or self.prefill_in_step or not (starving or self._slack_too_short()):
                     return
                 forced = True
             await self._prefill_idle()
@@ -516,12 +554,12 @@ class ConversationClock:
             return True
         return end <= period_end + self.prefill_overrun_s and end + self._step_s <= period_end + self.tick_s
 
-    def _prefill_piece(self, job, begin_args: tuple):
+    def _prefill_piece(self, job, begin_args: tuple, wait: bool = True):
         """On the compute thread: begin() if the session has no job yet, then one chunk of up to
-        prefill_chunk_frames, waited for on the GPU (its time is what the slack must hold).
-        Returns (job, done, error, seconds) with seconds = (total, begin, chunk launch, device
-        wait): what a piece costs, split where the host and the GPU each spend it. Errors are the
-        session's, not the clock's."""
+        prefill_chunk_frames, waited for on the GPU if `wait` (its time is what the slack must
+        hold; a piece riding a step is not waited for). Returns (job, done, error, seconds) with
+        seconds = (total, begin, chunk launch, device wait): what a piece costs, split where the
+        host and the GPU each spend it. Errors are the session's, not the clock's."""
         t0 = time.perf_counter()
         t_begin = t_launch = t0
         try:
@@ -530,7 +568,7 @@ class ConversationClock:
             t_begin = time.perf_counter()
             done = job.done or job.run(self.prefill_chunk_frames)
             t_launch = time.perf_counter()
-            if self.engine.device.type == "cuda":
+            if wait and self.engine.device.type == "cuda":
                 torch.cuda.current_stream(self.engine.device).synchronize()
             error = None
         except Exception as e:  # a refused begin (bad voice, persona, sampling) or a failed chunk
@@ -543,14 +581,22 @@ class ConversationClock:
         s = self._prefill_candidate()
         if s is None:
             return False
-        job, done, error, split = await self.compute(self._prefill_piece, s.job, self._begin_args(s))
-        seconds = split[0]
-        self._piece_s = seconds if self._piece_s == 0.0 else 0.8 * self._piece_s + 0.2 * seconds
+        self._record_piece(s, await self.compute(self._prefill_piece, s.job, self._begin_args(s)), "alone")
+        return True
+
+    def _record_piece(self, s: Session, result: tuple, where: str) -> None:
+        """Account for one piece of s's prompt (_prefill_piece's result), run on its own in the slack
+        or while no session is live ("alone": its time, GPU included, is what a slack must hold) or
+        riding a step ("step": its host time only), then act on its outcome."""
+        job, done, error, split = result
         s.pieces_ms.append(tuple(x * 1e3 for x in split))
         if self.metrics:
-            self.metrics.prefill_piece.observe(seconds)
+            self.metrics.prefill_pieces.labels(where=where).inc()
+            if where == "alone":
+                self.metrics.prefill_piece.observe(split[0])
+        if where == "alone":
+            self._piece_s = split[0] if self._piece_s == 0.0 else 0.8 * self._piece_s + 0.2 * split[0]
         self._after_prefill(s, job, done, error)
-        return True
 
     def _after_prefill(self, s: Session, job, done: bool, error: BaseException | None) -> None:
         self._prefill_progress = asyncio.get_running_loop().time()
