@@ -521,9 +521,10 @@ class ConversationClock:
         return s.slot, s.voice, s.persona, s.sampling
 
     async def _prefill_in_slack(self, period_end: float) -> None:
-        """Prefill pieces after a tick, while one fits before period_end. One that does not fit
-        runs anyway, one per period, when the waiting prompt has made no progress for two periods
-        or when the slack the ticks have been leaving would not hold a piece (module doc)."""
+        """Prefill pieces after a tick, while one fits before period_end. Without prefill_in_step
+        one that does not fit runs anyway, one per period, when the waiting prompt has made no
+        progress for two periods or when the slack the ticks have been leaving would not hold a
+        piece (module doc)."""
         loop = asyncio.get_running_loop()
         slack = period_end - loop.time()
         self._slack_s = slack if self._slack_s is None else 0.8 * self._slack_s + 0.2 * slack
