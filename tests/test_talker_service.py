@@ -671,6 +671,20 @@ async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkp
         await clock.stop()
 
 
+async def talk_beside(clock, mine, other, frames, first_seq: int) -> list:
+    """One tick per frame: `mine` sends frames[i] and `other` keeps talking beside it (seq numbers
+    from first_seq). Returns mine's outputs as (text token, agent codes)."""
+    loop, got = asyncio.get_running_loop(), []
+    for i, f in enumerate(frames):
+        clock.push(mine, i, f)
+        clock.push(other, first_seq + i, frames[(first_seq + i) % len(frames)])
+        await clock._tick(loop.time() + 10)
+        while not mine.outbox.empty():
+            out = mine.outbox.get_nowait()
+            got.append((out.text_token, out.agent_codes))
+    return got
+
+
 async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_session(tiny_checkpoint):
     """With a session live, a new session's prompt runs after the tick's outputs, in the period's
     slack (begin + a whole chunk, oldest first), never inside the tick; it then talks exactly like
@@ -710,14 +724,7 @@ async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_s
         assert isinstance(mine.outbox.get_nowait(), Ready)
         await clock._prefill_in_slack(loop.time() + 10)  # plenty of slack: the next waiting session
         assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed and first.live
-        got = []
-        for i, f in enumerate(frames):  # mine talks beside first, as if alone
-            clock.push(mine, i, f)
-            clock.push(first, i + 1, frames[(i + 1) % len(frames)])
-            await clock._tick(loop.time() + 10)
-            while not mine.outbox.empty():
-                out = mine.outbox.get_nowait()
-                got.append((out.text_token, out.agent_codes))
+        got = await talk_beside(clock, mine, first, frames, first_seq=1)  # mine beside first, as if alone
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
     finally:
         for sess in list(clock.sessions.values()):
@@ -770,14 +777,7 @@ async def test_a_prefill_piece_rides_the_main_step_and_only_fails_its_own_sessio
         assert value("duplex_talker_prefill_pieces_total", where="step") == 2
         assert value("duplex_talker_prefill_pieces_total", where="alone") == 1
         assert value("duplex_talker_step_part_seconds_sum", part="prefill") > 0
-        got = []
-        for i, f in enumerate(frames):  # mine talks beside first, as if alone
-            clock.push(mine, i, f)
-            clock.push(first, i + 3, frames[(i + 3) % len(frames)])
-            await clock._tick(loop.time() + 10)
-            while not mine.outbox.empty():
-                out = mine.outbox.get_nowait()
-                got.append((out.text_token, out.agent_codes))
+        got = await talk_beside(clock, mine, first, frames, first_seq=3)  # mine beside first, as if alone
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
     finally:
         for sess in list(clock.sessions.values()):
