@@ -517,9 +517,7 @@ async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_c
         assert await clock._tick(loop.time()) == 1 and len(sess.inputs) == 0
         assert await clock._tick(loop.time() + 10) == 0  # nothing queued: no step at all
     finally:
-        for s in list(clock.sessions.values()):
-            clock.close(s)
-        await clock.stop()
+        await close_all(clock)
 
 
 async def test_a_frame_that_arrives_during_the_main_step_does_not_force_a_catch_up(tiny_checkpoint):
@@ -554,9 +552,7 @@ async def test_a_frame_that_arrives_during_the_main_step_does_not_force_a_catch_
             while sess.inputs:
                 await clock._tick(loop.time() + 10)  # room for catch-ups: drain before the next case
     finally:
-        for s in list(clock.sessions.values()):
-            clock.close(s)
-        await clock.stop()
+        await close_all(clock)
 
 
 async def test_forced_catch_ups_lagging_sessions_and_slow_ticks_are_counted_and_the_lag_is_configurable(tiny_checkpoint):
@@ -593,9 +589,7 @@ async def test_forced_catch_ups_lagging_sessions_and_slow_ticks_are_counted_and_
             wall = value(metrics, "duplex_stage_step_seconds_sum", stage="talker")
             assert parts["launch"] > 0 and sum(parts.values()) == pytest.approx(wall, abs=0.005)
         finally:
-            for s in list(clock.sessions.values()):
-                clock.close(s)
-            await clock.stop()
+            await close_all(clock)
     clock._note_slow_tick(0.15, 2, 0.0)
     clock._note_slow_tick(0.09, 1, 0.02)
     clock._note_slow_tick(0.09, 1, 0.001)
@@ -637,9 +631,7 @@ async def test_periods_the_clock_drops_are_counted(tiny_checkpoint):
         dropped = metrics.stage.registry.get_sample_value("duplex_talker_ticks_dropped_total")
         assert dropped >= 2  # each 70 ms tick from its deadline ends >= 2 whole 20 ms periods late
     finally:
-        for s in list(clock.sessions.values()):
-            clock.close(s)
-        await clock.stop()
+        await close_all(clock)
 
 
 async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkpoint):
@@ -666,9 +658,14 @@ async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkp
         assert await clock._tick(loop.time() + 0.1) == 2 and len(sess.inputs) == 0
         assert clock._step_s > 0.3 and clock._catch_up_s < 0.1  # each measured into its own average
     finally:
-        for s in list(clock.sessions.values()):
-            clock.close(s)
-        await clock.stop()
+        await close_all(clock)
+
+
+async def close_all(clock) -> None:
+    """Take every session off the clock, then stop it (each test's teardown)."""
+    for sess in list(clock.sessions.values()):
+        clock.close(sess)
+    await clock.stop()
 
 
 async def talk_beside(clock, mine, other, frames, first_seq: int) -> list:
@@ -727,9 +724,7 @@ async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_s
         got = await talk_beside(clock, mine, first, frames, first_seq=1)  # mine beside first, as if alone
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
     finally:
-        for sess in list(clock.sessions.values()):
-            clock.close(sess)
-        await clock.stop()
+        await close_all(clock)
 
 
 async def test_a_prefill_piece_rides_the_main_step_and_only_fails_its_own_session(tiny_checkpoint):
@@ -780,9 +775,7 @@ async def test_a_prefill_piece_rides_the_main_step_and_only_fails_its_own_sessio
         got = await talk_beside(clock, mine, first, frames, first_seq=3)  # mine beside first, as if alone
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
     finally:
-        for sess in list(clock.sessions.values()):
-            clock.close(sess)
-        await clock.stop()
+        await close_all(clock)
 
 
 async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tiny_checkpoint):
@@ -813,9 +806,7 @@ async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tin
         await clock._prefill_in_slack(loop.time() + 0.005)
         assert b.live
     finally:
-        for sess in list(clock.sessions.values()):
-            clock.close(sess)
-        await clock.stop()
+        await close_all(clock)
 
 
 async def test_a_prefill_piece_overruns_the_deadline_only_as_far_as_the_next_tick_allows(tiny_checkpoint):
@@ -906,9 +897,7 @@ async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_
             if b.inputs:  # (no wait) step b's frame before the next checks
                 await clock._tick(loop.time() + 10)
         finally:
-            for sess in list(clock.sessions.values()):
-                clock.close(sess)
-            await clock.stop()
+            await close_all(clock)
     # the silent session alone lacks a frame: no wait; nor for one quiet for 1.5 periods
     eng = engine(tiny_checkpoint, "served")
     pool = SlotPool(SLOTS)
@@ -929,6 +918,4 @@ async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_
         waited = await clock._wait_for_due_frames([a, silent], loop.time() + 0.08)
         assert 0.01 < waited < 0.03
     finally:
-        for sess in list(clock.sessions.values()):
-            clock.close(sess)
-        await clock.stop()
+        await close_all(clock)
