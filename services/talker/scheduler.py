@@ -26,10 +26,11 @@ the compute thread launches the step's graph, queues the outputs' copy to the ho
 the GPU runs the step, does the piece's host work (begin(), the chunk's launch) and queues the
 chunk behind the step; it waits only for the outputs. The tick's outputs are not delayed by the
 chunk's GPU time (about 10 ms at full size), which runs in the period's slack, and the piece's host
-time (15-45 ms at 144-160 full-context sessions on the H200, where the gRPC loop competes for the
-GIL) hides behind the step's 45-55 ms of GPU time. Run in the slack instead, such a piece took
-30-40 ms against 15-20 ms of slack, so every opening session made a tick late (bench/results,
-2026-11-30, run 19). (Pieces once rode the step with the outputs waiting for the chunk too: at
+time (0.5 ms p50, 2.5 ms p99 at 144-160 full-context sessions on the H200) hides behind the step's
+45-55 ms of GPU time. begin() must not wait for the GPU for this to hold (engine._reset_slot). Run
+alone in the slack, a piece took 34-43 ms (begin() with its host syncs 15-24, the chunk 16-22)
+against 15-20 ms of slack, so every opening session made a tick late (bench/results, 2026-11-30,
+runs 19-21). (Pieces once rode the step with the outputs waiting for the chunk too: at
 128 sessions that stretched the tick each piece rode from 45 to about 80 ms.)
 
 After the tick's outputs, more pieces run in the slack before the next deadline while the
