@@ -81,6 +81,11 @@ STEP_HEADROOM = 0.1
 _IDLE_ROW = (0,) * 8  # the codes of a slot not stepped this tick (masked out by `active`)
 
 
+def _ema(average: float | None, sample: float) -> float:
+    """The clock's running averages of measured times: the first sample (average None), then 80/20."""
+    return sample if average is None else 0.8 * average + 0.2 * sample
+
+
 class BacklogFull(ResourceExhausted):
     """A session queued more input than the backlog bound: the client is too far ahead of the clock."""
 
@@ -365,8 +370,8 @@ class ConversationClock:
         # does not make its session lag: counting it made every session one frame behind (its
         # frames reaching the talker at a jittery place in the period) force a catch-up step as
         # soon as its next frame came in mid-step. (At 144-160 full-context sessions on the H200
-        # most late ticks were forced catch-ups, 105-150 ms long, bench/results 2026-11-30; how
-        # many of them this caused was not measured.)
+        # most late ticks were such forced catch-ups, 105-150 ms long: 47-121 per 120 s before
+        # this rule, 0-10 after it; bench/results 2026-11-30, runs 15-19.)
         while True:
             behind = [s for s in self.sessions.values() if s.live and s.inputs]
             if not behind:
@@ -440,9 +445,9 @@ class ConversationClock:
                 s.stepping = False
         dt = time.perf_counter() - t0
         if catch_up:
-            self._catch_up_s = dt if self._catch_up_s is None else 0.8 * self._catch_up_s + 0.2 * dt
+            self._catch_up_s = _ema(self._catch_up_s, dt)
         else:
-            self._step_s = dt if self._step_s == 0.0 else 0.8 * self._step_s + 0.2 * dt
+            self._step_s = _ema(self._step_s or None, dt)
         self.steps += 1
         if self.metrics:
             self.metrics.observe_step(dt, len(taken))
@@ -528,7 +533,7 @@ class ConversationClock:
         piece (module doc)."""
         loop = asyncio.get_running_loop()
         slack = period_end - loop.time()
-        self._slack_s = slack if self._slack_s is None else 0.8 * self._slack_s + 0.2 * slack
+        self._slack_s = _ema(self._slack_s, slack)
         forced = False
         while self._prefill_waiting():
             if not self._piece_fits(loop.time(), period_end):
@@ -597,7 +602,7 @@ class ConversationClock:
             if where == "alone":
                 self.metrics.prefill_piece.observe(split[0])
         if where == "alone":
-            self._piece_s = split[0] if self._piece_s == 0.0 else 0.8 * self._piece_s + 0.2 * split[0]
+            self._piece_s = _ema(self._piece_s or None, split[0])
         self._after_prefill(s, job, done, error)
 
     def _after_prefill(self, s: Session, job, done: bool, error: BaseException | None) -> None:
