@@ -121,3 +121,26 @@ class FrameAssembler:
         dropped = self.pending_samples
         self._residual = np.zeros(0, dtype=np.float32)
         return dropped
+
+
+# The Opus decoder (sphn) decodes at most this much audio per call: a longer message gets its own error.
+MAX_OPUS_MESSAGE_SAMPLES = 5 * SAMPLE_RATE
+_OGG_HEADER = 27
+
+
+def ogg_last_granule(data: bytes) -> int | None:
+    """The highest granule position (48 kHz samples, Ogg Opus) on the Ogg pages of `data`, read from
+    the page headers alone; None when `data` is not a run of whole Ogg pages or carries no position."""
+    i, last = 0, None
+    while i < len(data):
+        if data[i : i + 4] != b"OggS" or len(data) < i + _OGG_HEADER:
+            return None
+        nsegs = data[i + 26]
+        table = data[i + _OGG_HEADER : i + _OGG_HEADER + nsegs]
+        if len(table) < nsegs:
+            return None
+        granule = int.from_bytes(data[i + 6 : i + 14], "little", signed=True)
+        if granule >= 0:  # -1: no packet ends on this page
+            last = granule if last is None else max(last, granule)
+        i += _OGG_HEADER + nsegs + sum(table)
+    return last if i == len(data) else None

@@ -70,8 +70,10 @@ class GatewayConfig:
     # Client input bounds: one packet at most this many samples (10 s), one message this many bytes.
     max_packet_samples: int = 240_000
     max_message_bytes: int = 2 * 1024 * 1024
-    # Output events buffered for a client before it is declared too slow and cut off.
+    # Output buffered for a client before it is declared too slow and cut off: at most this many
+    # events and this many bytes (whichever comes first).
     output_queue_events: int = 400
+    output_queue_bytes: int = 2 * 1024 * 1024
     # Kernel send buffer per client socket (0 = the OS default, which can autotune to MBs):
     # with the queue above, what a client that stops reading can hold up is bounded.
     send_buffer_bytes: int = 256 * 1024
@@ -96,6 +98,7 @@ class GatewayConfig:
         p.add_argument("--default-voice", default=d.default_voice)
         p.add_argument("--default-instructions", default=d.default_instructions)
         p.add_argument("--output-queue-events", type=int, default=d.output_queue_events)
+        p.add_argument("--output-queue-bytes", type=int, default=d.output_queue_bytes)
         p.add_argument("--send-buffer-bytes", type=int, default=d.send_buffer_bytes)
         p.add_argument("--static-dir", default=str(d.static_dir))
         a = p.parse_args(argv)
@@ -123,6 +126,7 @@ class GatewayConfig:
             default_voice=a.default_voice,
             default_instructions=a.default_instructions,
             output_queue_events=a.output_queue_events,
+            output_queue_bytes=a.output_queue_bytes,
             send_buffer_bytes=a.send_buffer_bytes,
             static_dir=Path(a.static_dir),
         )

@@ -24,12 +24,15 @@ from websockets.exceptions import ConnectionClosed
 
 from duplex.v1 import talker_pb2
 from services.gateway import audio
+from services.gateway.bounded import OutputQueue, brief
 from services.gateway.pipeline import OpenParams, OutputFrame, PipelineError, open_on_cells
+from services.gateway.realtime import LOGGED_CLIENT_ERRORS
 
 log = logging.getLogger("gateway.native")
 
 KIND_HANDSHAKE, KIND_AUDIO, KIND_TEXT, KIND_ERROR = 0, 1, 2, 5
 _VOICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}\.pt$")
+_SEED = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit also takes '²'); below 2**63 is checked too
 
 
 class NativeSession:
@@ -37,20 +40,23 @@ class NativeSession:
         self.ws, self.ctx, self.cfg = ws, ctx, ctx.config
         self.query = query
         self.session_id = "chat_" + secrets.token_hex(8)
-        self._out: asyncio.Queue = asyncio.Queue(maxsize=self.cfg.output_queue_events)
+        self._out = OutputQueue(self.cfg.output_queue_events, self.cfg.output_queue_bytes)
         self._ended = asyncio.Event()
         self._close = (1000, "session closed")
         self._opus_in = sphn.OpusStreamReader(audio.SAMPLE_RATE)
+        self._granule: int | None = 0  # the input stream's last Ogg granule position (None: unknown)
         self._opus_out = sphn.OpusStreamWriter(audio.SAMPLE_RATE)
         self._assembler = audio.FrameAssembler()
         self._pipeline = None
+        self._client_errors = 0
 
     def _send(self, kind: int, payload: bytes) -> None:
         try:
             self._out.put_nowait(bytes([kind]) + payload)
         except asyncio.QueueFull:
             if not self._ended.is_set():
-                log.warning("chat %s cut off: client is not reading (%d messages queued)", self.session_id, self._out.qsize())
+                log.warning("chat %s cut off: client is not reading (%d messages, %d bytes queued)", self.session_id,
+                            self._out.qsize(), self._out.bytes)
                 self.ctx.metrics.slow_client_cutoffs.inc()
                 self._close = (1008, "client not reading output")
                 self._ended.set()
@@ -58,7 +64,7 @@ class NativeSession:
     async def _refuse(self, type_: str, code: str, message: str, close_code: int) -> None:
         self.ctx.metrics.errors.labels(type_, code).inc()
         self.ctx.metrics.sessions_refused.labels("native", code).inc()
-        log.info("chat %s refused: %s %s", self.session_id, code, message)
+        log.info("chat %s refused: %s %s", self.session_id, code, message[:200])
         try:
             await self.ws.send(bytes([KIND_ERROR]) + f"{code}: {message}".encode())
         except ConnectionClosed:
@@ -70,8 +76,8 @@ class NativeSession:
         persona = self.query.get("text_prompt", self.cfg.default_instructions)
         seed = self.query.get("seed", "0")
         if voice and not _VOICE.match(voice):
-            return await self._refuse("invalid_request_error", "invalid_voice", f"voice_prompt {voice!r} is not a bundled basename such as NATF2.pt", 1008)
-        if len(persona) > self.cfg.max_instructions_chars or not seed.isdigit():
+            return await self._refuse("invalid_request_error", "invalid_voice", f"voice_prompt {brief(voice)} is not a bundled basename such as NATF2.pt", 1008)
+        if len(persona) > self.cfg.max_instructions_chars or not _SEED.fullmatch(seed) or int(seed) >= 2**63:
             return await self._refuse("invalid_request_error", "bad_event", "text_prompt too long or seed not a non-negative integer", 1008)
         if not self.ctx.pool.healthy():
             return await self._refuse("server_error", "runtime_open_failed", "no cell is serving", 1011)
@@ -102,8 +108,7 @@ class NativeSession:
             self.ctx.metrics.sessions_active.labels("native").dec()
             log.info("chat %s released (frames in %d, out %d)", self.session_id, p.frames_in, p.frames_out)
             if self._close[0] != 1008 and not writer.done():
-                if not self._out.full():
-                    self._out.put_nowait(None)
+                self._out.finish()
                 try:
                     await asyncio.wait_for(asyncio.shield(writer), 2.0)
                 except (asyncio.TimeoutError, ConnectionClosed):
@@ -125,12 +130,8 @@ class NativeSession:
             if kind != KIND_AUDIO:
                 self._error("unknown_event", f"message kind {kind} is not accepted from clients (1 = Ogg/Opus audio)")
                 continue
-            try:
-                pcm = self._opus_in.append_bytes(payload)
-            except ValueError as e:
-                # The Ogg stream is now out of step; a fresh reader starts at the next page.
-                self._opus_in = sphn.OpusStreamReader(audio.SAMPLE_RATE)
-                self._error("bad_audio", f"not Ogg/Opus: {e}")
+            pcm = self._decode(payload)
+            if pcm is None:
                 continue
             if pcm.size and not np.isfinite(pcm).all():
                 self._error("bad_audio", "decoded audio is not finite")
@@ -142,9 +143,33 @@ class NativeSession:
                     return
                 self.ctx.metrics.frames_in.inc()
 
+    def _decode(self, payload: bytes) -> np.ndarray | None:
+        """One audio message's Ogg/Opus pages -> float32 PCM, or None after a typed error."""
+        granule = audio.ogg_last_granule(payload)
+        if granule is not None and self._granule is not None and (granule - self._granule) // 2 > audio.MAX_OPUS_MESSAGE_SAMPLES:
+            seconds = (granule - self._granule) / 48_000
+            self._error("bad_audio", f"one audio message holds {seconds:.1f} s of audio; at most "
+                                     f"{audio.MAX_OPUS_MESSAGE_SAMPLES // audio.SAMPLE_RATE} s per message (send smaller pieces)")
+            self._granule = granule  # the pages are skipped; the stream goes on after them
+            return None
+        try:
+            pcm = self._opus_in.append_bytes(payload)
+        except ValueError as e:
+            # The Ogg stream is now out of step; a fresh reader starts at the next page.
+            self._opus_in = sphn.OpusStreamReader(audio.SAMPLE_RATE)
+            self._granule = None
+            self._error("bad_audio", f"not Ogg/Opus (or over {audio.MAX_OPUS_MESSAGE_SAMPLES // audio.SAMPLE_RATE} s of audio "
+                                     f"in one message): {str(e)[:100]}")
+            return None
+        if granule is not None:
+            self._granule = granule
+        return pcm
+
     def _error(self, code: str, message: str, type_: str = "invalid_request_error") -> None:
         self.ctx.metrics.errors.labels(type_, code).inc()
-        log.info("chat %s: %s %s", self.session_id, code, message)
+        self._client_errors += 1
+        if self._client_errors <= LOGGED_CLIENT_ERRORS:
+            log.info("chat %s: %s %s", self.session_id, code, message)
         self._send(KIND_ERROR, f"{code}: {message}".encode())
 
     def _on_output(self, f: OutputFrame) -> None:

@@ -20,7 +20,6 @@ import json
 import logging
 import re
 import secrets
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -29,6 +28,7 @@ from websockets.exceptions import ConnectionClosed
 
 from duplex.v1 import talker_pb2
 from services.gateway import audio
+from services.gateway.bounded import OutputQueue, RecentIds, brief
 from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError, open_on_cells
 
 log = logging.getLogger("gateway.realtime")
@@ -47,6 +47,11 @@ _SESSION_KEYS = {
     "audio", "voice", "instructions", "turn_detection", "extra_body",
 }
 _EXTRA_BODY_KEYS = {"auto_response", "legacy_event_names", "seed", "greedy"}
+# Client ids the gateway echoes or remembers: longer ones are refused, not stored.
+MAX_EVENT_ID_CHARS = 256
+MAX_OPERATION_ID_CHARS = 128
+# Client errors logged per session (at INFO); past that they are only counted (a flood is one line).
+LOGGED_CLIENT_ERRORS = 20
 
 
 class ClientError(Exception):
@@ -85,10 +90,10 @@ def _format_from_ga(fmt: object, where: str) -> str:
         raise ClientError("bad_event", f"{where} must be an object like {{'type': 'audio/pcm', 'rate': 24000}}", where)
     kind, rate = fmt.get("type"), fmt.get("rate", audio.SAMPLE_RATE)
     if rate != audio.SAMPLE_RATE:
-        raise ClientError("unsupported_audio_format", f"{where}.rate {rate!r}: only {audio.SAMPLE_RATE} Hz is supported", where)
+        raise ClientError("unsupported_audio_format", f"{where}.rate {brief(rate)}: only {audio.SAMPLE_RATE} Hz is supported", where)
     if kind == "audio/pcm":
         return audio.PCM16
-    raise ClientError("unsupported_audio_format", f"{where}.type {kind!r}: only 'audio/pcm' (pcm16 LE mono) is supported", where)
+    raise ClientError("unsupported_audio_format", f"{where}.type {brief(kind)}: only 'audio/pcm' (pcm16 LE mono) is supported", where)
 
 
 def parse_session_update(session: object, current: SessionSettings, max_instructions: int) -> SessionSettings:
@@ -97,10 +102,10 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         raise ClientError("bad_event", "'session' must be an object", "session")
     unknown = sorted(set(session) - _SESSION_KEYS)
     if unknown:
-        raise ClientError("bad_event", f"session.{unknown[0]} is not a setting this server accepts", f"session.{unknown[0]}")
+        raise ClientError("bad_event", f"session.{brief(unknown[0])} is not a setting this server accepts", f"session.{unknown[0][:64]}")
     s = current
     if "type" in session and session["type"] != "realtime":
-        raise ClientError("bad_event", f"session.type {session['type']!r}: only 'realtime' is served", "session.type")
+        raise ClientError("bad_event", f"session.type {brief(session['type'])}: only 'realtime' is served", "session.type")
     for key in ("modalities", "output_modalities"):
         if key in session:
             mods = session[key]
@@ -109,10 +114,10 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
     if "input_audio_format" in session:
         fmt = session["input_audio_format"]
         if fmt not in audio.INPUT_FORMATS:
-            raise ClientError("unsupported_audio_format", f"input_audio_format {fmt!r}: use one of {list(audio.INPUT_FORMATS)}", "session.input_audio_format")
+            raise ClientError("unsupported_audio_format", f"input_audio_format {brief(fmt)}: use one of {list(audio.INPUT_FORMATS)}", "session.input_audio_format")
         s = replace(s, input_format=fmt, input_format_explicit=True)
     if "output_audio_format" in session and session["output_audio_format"] != audio.PCM16:
-        raise ClientError("unsupported_audio_format", f"output_audio_format {session['output_audio_format']!r}: only 'pcm16' is produced", "session.output_audio_format")
+        raise ClientError("unsupported_audio_format", f"output_audio_format {brief(session['output_audio_format'])}: only 'pcm16' is produced", "session.output_audio_format")
     if "turn_detection" in session and session["turn_detection"] is not None:
         raise _unsupported("turn_detection", "the model decides turns itself; send turn_detection: null")
     if "audio" in session:
@@ -127,14 +132,14 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         if inp.get("turn_detection") is not None:
             raise _unsupported("turn_detection", "the model decides turns itself; send turn_detection: null")
         for k in set(inp) - {"format", "turn_detection", "transcription", "noise_reduction"}:
-            raise ClientError("bad_event", f"session.audio.input.{k} is not a setting this server accepts", f"session.audio.input.{k}")
+            raise ClientError("bad_event", f"session.audio.input.{brief(k)} is not a setting this server accepts", f"session.audio.input.{k[:64]}")
         for k in ("transcription", "noise_reduction"):
             if inp.get(k) is not None:
                 raise _unsupported(f"audio.input.{k}", "not offered by this model")
         if "format" in out:
             _format_from_ga(out["format"], "session.audio.output.format")
         for k in set(out) - {"format", "voice"}:
-            raise ClientError("bad_event", f"session.audio.output.{k} is not a setting this server accepts", f"session.audio.output.{k}")
+            raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts", f"session.audio.output.{k[:64]}")
         if "voice" in out:
             s = replace(s, voice=_check_voice(out["voice"], "session.audio.output.voice"))
     if "voice" in session:
@@ -153,7 +158,7 @@ def _check_voice(voice: object, param: str) -> str:
     if voice == "" or voice is None:
         return ""
     if not isinstance(voice, str) or not _VOICE.match(voice):
-        raise ClientError("invalid_voice", f"voice {voice!r} is not a bundled voice basename such as 'NATF2.pt' (no path, ends in .pt)", param)
+        raise ClientError("invalid_voice", f"voice {brief(voice)} is not a bundled voice basename such as 'NATF2.pt' (no path, ends in .pt)", param)
     return voice
 
 
@@ -162,7 +167,7 @@ def _parse_extra_body(body: object, s: SessionSettings) -> SessionSettings:
         raise ClientError("bad_event", "session.extra_body must be an object", "session.extra_body")
     unknown = sorted(set(body) - _EXTRA_BODY_KEYS)
     if unknown:
-        raise ClientError("bad_event", f"session.extra_body.{unknown[0]} is not a setting this server accepts", f"session.extra_body.{unknown[0]}")
+        raise ClientError("bad_event", f"session.extra_body.{brief(unknown[0])} is not a setting this server accepts", f"session.extra_body.{unknown[0][:64]}")
     if body.get("auto_response", True) is not True:
         raise _unsupported("extra_body.auto_response=false", "the model answers continuously")
     for key in ("legacy_event_names", "greedy"):
@@ -172,6 +177,21 @@ def _parse_extra_body(body: object, s: SessionSettings) -> SessionSettings:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise ClientError("bad_event", "session.extra_body.seed must be a non-negative integer", "session.extra_body.seed")
     return replace(s, legacy_event_names=body.get("legacy_event_names", s.legacy_event_names), greedy=body.get("greedy", s.greedy), seed=seed)
+
+
+def parse_event(message: str) -> dict:
+    """One client message -> an event dict, or a typed ClientError (never another exception)."""
+    try:
+        event = json.loads(message)
+    except json.JSONDecodeError as e:
+        raise ClientError("invalid_json", f"message is not JSON: {e}") from None
+    except RecursionError:
+        raise ClientError("invalid_json", "message is nested too deeply") from None
+    except ValueError:  # an integer over the interpreter's digit limit
+        raise ClientError("invalid_json", "message has a number with too many digits") from None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise ClientError("bad_event", "an event is a JSON object with a string 'type'", "type")
+    return event
 
 
 def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> dict:
@@ -206,7 +226,7 @@ class _State:
     response_created: bool = False
     closing: bool = False
     frames_out: int = 0
-    recent_ops: deque = field(default_factory=lambda: deque(maxlen=1024))
+    recent_ops: RecentIds = field(default_factory=lambda: RecentIds(max_len=MAX_OPERATION_ID_CHARS))
 
 
 class RealtimeSession:
@@ -218,13 +238,14 @@ class RealtimeSession:
         self.session_id = sid if _SESSION_ID.match(sid) else "sess_" + secrets.token_hex(8)
         self.response_id = "resp_" + secrets.token_hex(8)
         self.item_id = "item_" + secrets.token_hex(8)
-        self.model = query.get("model") or self.cfg.model
+        self.model = (query.get("model") or self.cfg.model)[:128]
         autostart = query.get("autostart", "").lower()
         self.autostart = ("model" in query and autostart not in FALSE) or autostart in TRUE
         legacy = query.get("legacy_events", "").lower() in TRUE
         self.st = _State(SessionSettings(voice=self.cfg.default_voice, instructions=self.cfg.default_instructions, legacy_event_names=legacy))
         self._seq = 0
-        self._out: asyncio.Queue = asyncio.Queue(maxsize=self.cfg.output_queue_events)
+        self._out = OutputQueue(self.cfg.output_queue_events, self.cfg.output_queue_bytes)
+        self._client_errors = 0
         self._ended = asyncio.Event()
         self._close_code, self._close_reason = 1000, "session closed"
         self._bg: set[asyncio.Task] = set()
@@ -239,7 +260,7 @@ class RealtimeSession:
         try:
             self._out.put_nowait(json.dumps(event, separators=(",", ":")))
         except asyncio.QueueFull:
-            self._cut_off(f"client is not reading: {self._out.qsize()} events queued")
+            self._cut_off(f"client is not reading: {self._out.qsize()} events ({self._out.bytes} bytes) queued")
 
     def emit_error(self, type_: str, code: str, message: str, client_event_id: str | None = None, param: str | None = None) -> None:
         err = {"type": type_, "code": code, "message": message}
@@ -248,7 +269,11 @@ class RealtimeSession:
         if client_event_id:
             err["event_id"] = client_event_id
         self.ctx.metrics.errors.labels(type_, code).inc()
-        log.info("session %s: %s/%s: %s", self.session_id, type_, code, message)
+        self._client_errors += 1
+        if self._client_errors <= LOGGED_CLIENT_ERRORS:
+            log.info("session %s: %s/%s: %s", self.session_id, type_, code, message)
+        elif self._client_errors == LOGGED_CLIENT_ERRORS + 1:
+            log.info("session %s: more errors are counted, not logged (gateway_errors_total)", self.session_id)
         self.emit({"type": "error", "error": err})
 
     def _cut_off(self, reason: str) -> None:
@@ -291,9 +316,9 @@ class RealtimeSession:
         # unless the client is the reason the queue is full.
         if not self._slow_client and not writer.done():
             try:
-                self._out.put_nowait(None)
+                self._out.finish()
                 await asyncio.wait_for(asyncio.shield(writer), 2.0)
-            except (asyncio.QueueFull, asyncio.TimeoutError, ConnectionClosed):
+            except (asyncio.TimeoutError, ConnectionClosed):
                 pass
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
@@ -310,17 +335,14 @@ class RealtimeSession:
         try:
             if isinstance(message, bytes):
                 raise ClientError("invalid_json", "binary messages are not part of this protocol; send JSON text")
-            try:
-                event = json.loads(message)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise ClientError("invalid_json", f"message is not JSON: {e}") from None
-            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-                raise ClientError("bad_event", "an event is a JSON object with a string 'type'", "type")
+            event = parse_event(message)
             if isinstance(event.get("event_id"), str):
+                if len(event["event_id"]) > MAX_EVENT_ID_CHARS:
+                    raise ClientError("bad_event", f"event_id has {len(event['event_id'])} characters; at most {MAX_EVENT_ID_CHARS}", "event_id")
                 client_event_id = event["event_id"]
             handler = self._handlers().get(event["type"])
             if handler is None:
-                raise ClientError("unknown_event", f"unknown event type {event['type']!r}", "type")
+                raise ClientError("unknown_event", f"unknown event type {brief(event['type'])}", "type")
             await handler(event)
         except ClientError as e:
             self.emit_error(e.type, e.code, e.message, client_event_id, e.param)
@@ -460,23 +482,25 @@ class RealtimeSession:
         if self.st.closing:
             raise ClientError("bad_event", "the session is closing")
         op = event.get("operation_id")
+        if op is not None and (not isinstance(op, str) or not 0 < len(op) <= MAX_OPERATION_ID_CHARS):
+            raise ClientError("bad_event", f"operation_id must be a string of 1..{MAX_OPERATION_ID_CHARS} characters, got {brief(op)}", "operation_id")
         if op is not None and op in self.st.recent_ops:
-            log.info("session %s: append with repeated operation_id %r ignored", self.session_id, op)
+            log.debug("session %s: append with repeated operation_id %s ignored", self.session_id, brief(op))
             return
         s = self.st.settings
         fmt = event.get("format", s.input_format)
         if fmt != s.input_format and (s.input_format_explicit or self.st.audio_started):
-            raise ClientError("unsupported_audio_format", f"packet format {fmt!r} differs from the session's {s.input_format!r}", "format")
+            raise ClientError("unsupported_audio_format", f"packet format {brief(fmt)} differs from the session's {s.input_format!r}", "format")
         rate = event.get("sample_rate_hz", audio.SAMPLE_RATE)
         if rate != audio.SAMPLE_RATE:
-            raise ClientError("unsupported_audio_format", f"sample_rate_hz {rate!r}: only {audio.SAMPLE_RATE} is accepted", "sample_rate_hz")
+            raise ClientError("unsupported_audio_format", f"sample_rate_hz {brief(rate)}: only {audio.SAMPLE_RATE} is accepted", "sample_rate_hz")
         try:
             samples = audio.pcm_bytes_to_f32(audio.b64decode_strict(event.get("audio")), fmt, self.cfg.max_packet_samples)
         except audio.AudioError as e:
             raise ClientError(e.code, str(e), e.param) from None
         # Accepted whole: from here on the packet is committed.
         if op is not None:
-            self.st.recent_ops.append(op)
+            self.st.recent_ops.add(op)
         if not self.st.audio_started:
             self.st.audio_started = True
             if fmt != s.input_format:

@@ -77,6 +77,7 @@ class Gateway:
             self.config.port,
             process_request=self._process_request,
             max_size=self.config.max_message_bytes,
+            max_queue=4,  # received messages waiting for a session's reader: at most 4 x max_size bytes
             server_header="personaplex-gateway",
         )
         log.info("gateway listening on http://%s:%d (%d cell(s) configured%s)", self.config.host, self.port, len(self.config.cells),
@@ -128,10 +129,16 @@ class Gateway:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
     def _static(self, path: str) -> Response:
+        if any(c < " " or c == "\x7f" for c in path):  # NUL and other control characters name no file
+            return _response(400, b"bad path\n", "text/plain; charset=utf-8")
         root = Path(self.config.static_dir).resolve()
         rel = "index.html" if path in ("", "/") else path.lstrip("/")
-        target = (root / rel).resolve()
-        if root not in target.parents or not target.is_file():
+        try:
+            target = (root / rel).resolve()
+            found = root in target.parents and target.is_file()
+        except (OSError, ValueError):  # a name the file system refuses (too long, ...)
+            found = False
+        if not found:
             return _response(404, b"not found\n", "text/plain; charset=utf-8")
         ctype = _CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0] or "application/octet-stream"
         return _response(200, target.read_bytes(), ctype)

@@ -1,0 +1,307 @@
+"""Hostile and faulty input never costs memory, slots or other people's sessions (issue 20).
+
+Each test replays one attack of the outside probe against a real stack (encoder, talker,
+decoder and gateway processes; two slots) and shows the fix:
+- memory: the gateway's RSS before and after, within a stated bound;
+- gauges: every stage's free slots and `gateway_sessions_active` back to their baseline;
+- other sessions: a heartbeat round trip on another connection stays fast, and a paced
+  session (`Feeder`) keeps getting frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.parse
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as sync_connect
+
+from services.gateway.bounded import OutputQueue, RecentIds, brief
+from tests.reliability_helpers import (Feeder, SyncRT, append, gateway_metric, http_get, rss_mb, stage_counts, tone,
+                                       wait_until)
+from tools.run_stack import Stack
+
+GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
+MAX_MESSAGE_BYTES = 2 * 1024 * 1024  # the gateway's default max_message_bytes
+
+
+# ---- the bounded pieces on their own ------------------------------------------------------------
+
+def test_brief_never_expands_a_client_value():
+    assert brief("abc") == "'abc'"
+    long = brief("é" * 1_000_000)
+    assert len(long) < 80 and "1000000 characters" in long
+    assert brief(10**5000).startswith("an integer of") and brief(-3) == "-3"
+    assert brief([1] * 10**6) == "a JSON array of 1000000 item(s)" and brief({"a": 1}) == "a JSON object of 1 item(s)"
+    assert brief(None) == "None" and brief(1.5) == "1.5" and brief(True) == "True"
+
+
+async def test_output_queue_is_bounded_in_bytes_and_in_count():
+    q = OutputQueue(max_items=100, max_bytes=1000)
+    q.put_nowait("x" * 600)
+    with pytest.raises(asyncio.QueueFull):
+        q.put_nowait("y" * 401)  # 1001 bytes: over the byte bound though only 2 items
+    q.put_nowait(b"z" * 400)
+    assert q.bytes == 1000 and q.qsize() == 2
+    assert await q.get() == "x" * 600 and q.bytes == 400
+    small = OutputQueue(max_items=2, max_bytes=10**6)
+    small.put_nowait("a")
+    small.put_nowait("b")
+    with pytest.raises(asyncio.QueueFull):
+        small.put_nowait("c")
+    small.finish()  # the end marker is never refused
+    assert [await small.get() for _ in range(3)] == ["a", "b", None]
+
+
+def test_recent_ids_bounded_in_count_and_bytes_with_constant_time_lookup():
+    ids = RecentIds(max_items=1000, max_bytes=10_000, max_len=100)
+    for i in range(5000):
+        ids.add(f"{i:0100d}")  # 100 characters each: the byte bound (100 ids) binds first
+    assert len(ids) == 100 and ids.bytes == 10_000
+    assert f"{4999:0100d}" in ids and f"{4899:0100d}" not in ids
+    few = RecentIds(max_items=3)
+    for op in ("a", "b", "c", "a", "d"):
+        few.add(op)
+    assert "a" not in few and {"b", "c", "d"} == {op for op in "abcd" if op in few}  # a repeat does not refresh
+    t0 = time.perf_counter()
+    assert not any(f"{i:0100d}" in ids for i in range(4900))
+    assert time.perf_counter() - t0 < 0.5  # a dict lookup, not a scan of every id
+    with pytest.raises(AssertionError):
+        ids.add("x" * 101)
+
+
+# ---- the stack --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    with Stack(tiny_checkpoint, sessions=2, gateway_args=GATEWAY_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def feeder(stack):
+    """The untouched session: paced audio for the whole module."""
+    f = Feeder(stack.gateway.ws_url, instructions="You are steady.")
+    f.check_alive(2, timeout=60)
+    yield f
+    assert f.stop()["frames_out"] > 0
+
+
+@pytest.fixture(scope="module")
+def baseline(stack, feeder):
+    return stage_counts(stack), gateway_metric(stack.gateway, "gateway_sessions_active")
+
+
+def assert_back_to_baseline(stack, baseline) -> None:
+    counts, active = baseline
+    ok = wait_until(lambda: stage_counts(stack) == counts and gateway_metric(stack.gateway, "gateway_sessions_active") == active, 30)
+    assert ok, (stage_counts(stack), counts, gateway_metric(stack.gateway, "gateway_sessions_active"), active)
+
+
+def heartbeat_rtt(rt: SyncRT) -> float:
+    t0 = time.monotonic()
+    rt.send({"type": "session.heartbeat", "event_id": "hb"})
+    while (ev := rt.recv(30))["type"] != "session.heartbeat_ack":
+        pass
+    assert ev["client_event_id"] == "hb"
+    return time.monotonic() - t0
+
+
+def open_session(stack, **session) -> SyncRT:
+    rt = SyncRT(stack.gateway.ws_url)
+    rt.send({"type": "session.update", "session": {"type": "realtime", **session}})
+    assert rt.recv(120)["type"] == "session.created"
+    assert rt.recv(30)["type"] == "session.updated"
+    return rt
+
+
+def gateway_log_bytes(gateway) -> int:
+    return len(gateway.log_tail(chars=10**9))
+
+
+def internal_errors(stack) -> float:
+    _, body = http_get(stack.gateway.http_url + "/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+               if line.startswith("gateway_errors_total{") and 'code="internal"' in line)
+
+
+def raw_socket_client(stack, rcvbuf: int = 4096) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((stack.gateway.host, stack.gateway.port))
+    return sock
+
+
+# ---- row 2: huge values echoed in errors --------------------------------------------------------
+
+def test_huge_unknown_event_types_from_a_client_that_never_reads_cost_no_memory(stack, feeder, baseline):
+    """40 events of 2 MB whose `type` is a million "é", from a client that never reads: each gets
+    a short `unknown_event` (the type cut to a prefix), logged once per session at most 20 times.
+    Bound: the gateway's RSS grows by less than 40 MB (the probe saw +271 MB), its log by less
+    than 20 kB (+167 MB), and a heartbeat on another connection answers within 0.5 s."""
+    other = SyncRT(stack.gateway.ws_url)
+    heartbeat_rtt(other)
+    pid = stack.gateway.proc.pid
+    rss0, log0 = rss_mb(pid), gateway_log_bytes(stack.gateway)
+    stuck = sync_connect(stack.gateway.ws_url, sock=raw_socket_client(stack), max_size=None, open_timeout=60, legacy=True)
+    big = json.dumps({"type": "é" * 1_000_000}, ensure_ascii=False)
+    assert MAX_MESSAGE_BYTES - 100_000 < len(big.encode()) <= MAX_MESSAGE_BYTES
+    rtts = []
+    for i in range(40):
+        stuck.send(big)
+        if i % 8 == 7:
+            rtts.append(heartbeat_rtt(other))
+    rtts.append(heartbeat_rtt(other))
+    grown, logged = rss_mb(pid) - rss0, gateway_log_bytes(stack.gateway) - log0
+    print(f"\n[hostile] 40 x 2 MB unknown types: gateway RSS +{grown:.1f} MB, log +{logged} B, heartbeat max {max(rtts) * 1000:.0f} ms")
+    assert grown < 40, grown
+    assert logged < 20_000, logged
+    assert max(rtts) < 0.5, rtts
+    # The errors themselves are short: read them now.
+    for _ in range(40):
+        ev = json.loads(stuck.recv(30))
+        assert ev["type"] == "error" and ev["error"]["code"] == "unknown_event" and len(ev["error"]["message"]) < 200, ev
+    stuck.close()
+    other.close()
+    feeder.check_alive(1)
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- row 3: operation ids -----------------------------------------------------------------------
+
+def test_operation_ids_are_bounded_per_id_and_in_total(stack, feeder, baseline):
+    """150 one-sample appends each with a distinct 1.9 MB operation_id: each is refused as
+    `bad_event` (ids are at most 128 characters), nothing is remembered. Bound: RSS +40 MB (the
+    probe saw +277 MB) and another connection's heartbeat within 0.25 s (917 ms). Ids within the
+    bound still deduplicate: a repeated one is ignored, a new one is not."""
+    rt = open_session(stack)
+    other = SyncRT(stack.gateway.ws_url)
+    heartbeat_rtt(other)
+    pid = stack.gateway.proc.pid
+    rss0 = rss_mb(pid)
+    one = append(tone(1)[:1])
+    rtts = []
+    for i in range(150):
+        rt.send({**one, "operation_id": f"{i:07d}" + "x" * 1_900_000})
+        ev = rt.next_reply()
+        assert ev["type"] == "error" and ev["error"]["code"] == "bad_event" and ev["error"]["param"] == "operation_id", ev
+        assert len(ev["error"]["message"]) < 200
+        if i % 30 == 0:
+            rtts.append(heartbeat_rtt(other))
+    grown = rss_mb(pid) - rss0
+    print(f"\n[hostile] 150 x 1.9 MB operation ids: gateway RSS +{grown:.1f} MB, heartbeat max {max(rtts) * 1000:.0f} ms")
+    assert grown < 40 and max(rtts) < 0.25, (grown, rtts)
+    # Within the bound, ids still deduplicate: the same id twice sends one packet.
+    frame = append(tone(1))
+    for op in ("op-a", "op-a", "op-b"):
+        rt.send({**frame, "operation_id": op})
+    rt.send({"type": "session.close"})
+    while (ev := rt.recv(60))["type"] != "session.closed":
+        assert ev["type"] != "error", ev
+    assert ev["frames_in"] == 2, ev  # op-a once, op-b once (the 1-sample appends were refused)
+    rt.close()
+    other.close()
+    feeder.check_alive(1)
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- row 4: numbers and nesting -----------------------------------------------------------------
+
+@pytest.mark.parametrize("message", [
+    '{"type": "session.heartbeat", "x": ' + "1" * 5000 + "}",
+    '{"type": "input_audio_buffer.append", "audio": "AAAA", "sample_rate_hz": ' + "9" * 4400 + "}",
+    "[" * 100_000 + "]" * 100_000,
+    '{"type": "session.heartbeat", "x": ' + '{"a": ' * 50_000 + "1" + "}" * 50_000 + "}",
+    '{"type": "input_audio_buffer.append", "audio": "AAAA", "sample_rate_hz": ' + "9" * 4000 + "}",
+    '{"type": "input_audio_buffer.append", "audio": "AAAA", "sample_rate_hz": 1e999}',
+])
+def test_huge_numbers_and_deep_nesting_are_typed_errors_and_the_session_goes_on(stack, feeder, baseline, message):
+    """A number past the interpreter's 4300-digit limit, a 4000-digit one (echoed briefly),
+    infinity, 100 000 levels of nesting: one typed `invalid_request_error` each, and the live
+    session still answers and takes audio (the probe saw a silent close 1000)."""
+    rt = open_session(stack)
+    rt.send(message)
+    ev = rt.next_reply()
+    assert ev["type"] == "error" and ev["error"]["type"] == "invalid_request_error", ev
+    assert ev["error"]["code"] in ("invalid_json", "unsupported_audio_format"), ev
+    assert len(ev["error"]["message"]) < 200, ev
+    heartbeat_rtt(rt)
+    rt.send(append(tone(2)))
+    while rt.frames < 1:
+        assert rt.recv(60)["type"] != "error"
+    rt.close()
+    assert internal_errors(stack) == 0
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- row 5: /api/chat seed ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", ["18446744073709551616", "9223372036854775808", "²", "١٢", "1" * 5000, "-1"])
+def test_api_chat_seed_out_of_range_or_not_ascii_digits_is_a_typed_refusal(stack, feeder, baseline, seed):
+    """The probe's `seed=2**64` and `seed=²` were tracebacks counted as internal errors; now each
+    is one typed error message (kind 5) and a close, as on the Realtime path (0 <= seed < 2**63)."""
+    url = f"ws://{stack.gateway.host}:{stack.gateway.port}/api/chat?" + urllib.parse.urlencode({"seed": seed})
+    with sync_connect(url, max_size=None, open_timeout=60, legacy=True) as ws:
+        msg = ws.recv(60)
+        assert isinstance(msg, bytes) and msg[0] == 5 and msg[1:].startswith(b"bad_event:"), msg[:120]
+        with pytest.raises(ConnectionClosed):
+            ws.recv(30)
+    assert internal_errors(stack) == 0
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- row 7: the static path ---------------------------------------------------------------------
+
+def raw_http(stack, request: bytes) -> bytes:
+    with socket.create_connection((stack.gateway.host, stack.gateway.port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data:
+                break
+        return data
+
+
+@pytest.mark.parametrize("path, status", [
+    (b"/\x00", b"400"), (b"/index.html\x00.js", b"400"), (b"/\x1b[31m", b"400"), (b"/%00", b"404"),
+    (b"/" + b"a" * 5000, b"404"), (b"/..%2f..%2fetc%2fpasswd", b"404"),
+])
+def test_control_characters_in_the_path_are_a_4xx_not_a_traceback(stack, feeder, path, status):
+    """`GET /\\x00` was a 500 with a ValueError traceback from the static lookup."""
+    reply = raw_http(stack, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert reply.split(b" ", 2)[1] == status, reply[:200]
+    assert internal_errors(stack) == 0
+
+
+
+# ---- /api/chat: the Opus per-message cap ------------------------------------------------------------
+
+def test_opus_message_over_five_seconds_gets_its_own_error_and_the_session_goes_on(stack, feeder, baseline):
+    """The Opus decoder takes at most 5 s per message: 6 s in one message is `bad_audio` saying
+    so (not "not Ogg/Opus"), and the same stream's next pages still decode into output."""
+    import sphn
+
+    url = f"ws://{stack.gateway.host}:{stack.gateway.port}/api/chat?text_prompt=Hi"
+    writer = sphn.OpusStreamWriter(24_000)
+    x = tone(90)  # 7.2 s
+    pages = [writer.append_pcm(x[i : i + 1920]) for i in range(0, x.size, 1920)]
+    with sync_connect(url, max_size=None, open_timeout=60, legacy=True) as ws:
+        assert ws.recv(120) == b"\x00"
+        ws.send(b"\x01" + b"".join(pages[:75]))  # 6 s
+        while (msg := ws.recv(30))[0] != 5:
+            pass
+        assert msg[1:].startswith(b"bad_audio:") and b"at most 5 s per message" in msg, msg
+        for page in pages[75:]:
+            ws.send(b"\x01" + page)
+        got_audio = False
+        while not got_audio:
+            msg = ws.recv(60)
+            assert msg[0] != 5, msg
+            got_audio = msg[0] == 1
+    feeder.check_alive(1)
+    assert_back_to_baseline(stack, baseline)
