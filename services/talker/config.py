@@ -15,6 +15,7 @@ from services.common.process import check_gil_switch_ms
 from services.common.stage_config import load_config
 
 ENV_PREFIX = "TALKER_"
+ALIGNMENTS = ("personaplex", "moshi")  # live-step timings (engine.py module doc)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,7 +28,11 @@ class TalkerConfig:
     slots: int = 2  # concurrent sessions = the batch size of every step
     device: str = "cpu"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) or one of DTYPES
-    context: int = 0  # temporal attention window / KV ring in frames (0 = the checkpoint's)
+    # Live-step timing (services/talker/engine.py): "personaplex" reproduces NVIDIA's reference server
+    # (a user frame is first read one step later; N inputs give N outputs; attention over context-1
+    # frames), "moshi" upstream moshi 0.2.13 (read in the same step; N-1 outputs; attention over context).
+    alignment: str = "personaplex"
+    context: int = 0  # the model's context in frames (0 = the checkpoint's); the KV ring follows alignment
     kv_fp8: bool = False  # store the KV ring in fp8 (half the memory per slot)
     # The 32 temporal layers' matrices in fp8 with per-row scales (6.6 GB instead of 13.2 at full
     # size: what lets the codecs fit beside 160 sessions); the rest of the model stays in `dtype`.
@@ -101,6 +106,8 @@ class TalkerConfig:
             raise ValueError(f"cuda_graph needs a CUDA device, got device {self.device!r}")
         if self.compile and not self.device.startswith("cuda"):
             raise ValueError(f"compile needs a CUDA device (the CPU runs the eager kernels), got device {self.device!r}")
+        if self.alignment not in ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}, got {self.alignment!r}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0 (0 = the checkpoint's), got {self.context}")
         if self.prefill_chunk_frames < 1:

@@ -12,20 +12,25 @@ step reads (`offset`), the first frame that is the model's own (`start`) and the
 parameters. Every step runs all S rows (static shapes, no per-slot Python loop); inactive
 slots are computed and thrown away, and their state is left exactly as it was.
 
-Timing (upstream moshi 0.2.13, not the PersonaPlex fork). Column c, stream k holds frame
-c - delay[k]. A live step at offset o takes the user codes as frame o and:
-  1. writes them into column o (q0, delay 0) and o+1 (q1..q7, delay 1),
+Timing: two alignments (`alignment`), fixed per engine. Column c, stream k holds frame
+c - delay[k]. A live step at offset o reads column o and:
+  1. writes the user codes into column o + lag (q0, delay 0) and o + lag + 1 (q1..q7, delay 1),
   2. runs the transformer on column o: text, agent q0 and user q0 of frame o, agent and user
      q1..q7 of frame o-1 (the initial token for frames <= 0),
   3. samples the text token and agent q0 of frame o+1 and agent q1..q7 of frame o, stored
      in column o+1 (entries of prompt frames are teacher-forced and kept),
   4. returns frame o+1-max_delay = o: text/q0 sampled by the previous step, q1..q7 by this one.
-So the first step of a bare session (no prompt) returns nothing, exactly like moshi's LMGen,
-and `output_delay_frames` = max_delay = 1. The fork reads column o-1 instead (one frame more
-delay, two silent steps). With a prompt of F frames (frame 0 is the start frame), prefill runs
-columns 0..F-2 and the first live step reads column F-1: the first live user frame takes the
-user part of the last prompt frame (the fork would read that silence frame once more) and
-its output is the last prompt frame, which is not returned (has_output False).
+With a prompt of F frames (frame 0 is the start frame), prefill runs columns 0..F-2 and live
+step j runs at o = F-1+j, so both alignments emit agent frame F-1+j at step j.
+- "personaplex" (NVIDIA's fork, `LMGen.prepare_step_input`; the default), lag 1: user frame j
+  goes into column F+j and is read at step j+1. Step 0 reads the prompt's last column (user
+  SINE) and returns the prompt's last frame (text PAD, agent SILENCE): N inputs, N outputs.
+  Attention covers C-1 frames (the fork's RingKVCache masks its oldest entry), so the KV ring
+  is C-1 long. A bare session (F = 1) has no prompt frame to return: its step 0 outputs nothing.
+- "moshi" (upstream moshi 0.2.13), lag 0: user frame j goes into column F-1+j and is read in
+  the same step; the first live frame replaces the user part of the last prompt frame, whose
+  output is not returned: N inputs, N-1 outputs. Attention covers C frames.
+`PrefillJob.output_delay_frames` is the number of leading live steps that return nothing.
 
 Prompt prefill runs the temporal transformer on whole chunks of prompt columns (parallel,
 T frames per call) instead of frame by frame. The voice part is the same for every session of
@@ -42,6 +47,7 @@ import torch
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.text import InvalidText, TextTokenizer
 from services.talker import prompt
+from services.talker.config import ALIGNMENTS
 from services.talker.model import LMConfig, LMModel
 from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, noise_key, sample
 from services.talker.voices import RING, VoicePrompt, load_voice
@@ -105,6 +111,9 @@ class PrefillJob:
         self.total_frames = cols.transformer_frames  # temporal positions the prompt fills
         self.frames_done = 0
         self.prompt_frames = cols.frames
+        self.first_output = engine.first_output_frame(cols.frames)
+        # Live steps that return nothing: step j returns frame F-1+j (module doc).
+        self.output_delay_frames = self.first_output - (cols.frames - 1)
         self._engine, self._cols, self._voice = engine, cols, voice
         self._voice_in_slot = voice is None
         self._next = 0  # next row of cols.inputs
@@ -220,8 +229,10 @@ class _PrefillGraph:
 class TalkerEngine:
     def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
                  context: int | None = None, kv_dtype: torch.dtype | None = None, kv_fp8: bool = False,
-                 voices: dict[str, VoicePrompt] | None = None, cuda_graph: bool = False):
-        """context: the KV ring / attention window (default: the model's). kv_fp8: store the ring as
+                 voices: dict[str, VoicePrompt] | None = None, cuda_graph: bool = False,
+                 alignment: str = "personaplex"):
+        """context: the model's context C (default: the checkpoint's); the attention window and KV ring
+        are C-1 frames with alignment "personaplex", C with "moshi" (module doc). kv_fp8: store the ring as
         fp8 with per-vector scales. cuda_graph: replay the device part of step() as a captured CUDA
         graph (one per distinct top-k bound, captured on first use) instead of launching it eagerly. `voices` adds in-memory voices by name ("NATF2.pt"), e.g. from
         tools.make_checkpoint.build_random_checkpoint on a GPU; others come from paths.voices_dir."""
@@ -229,17 +240,25 @@ class TalkerEngine:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if model.dep_steps < AGENT_CODEBOOKS:
             raise ValueError(f"the LM needs {AGENT_CODEBOOKS} resident depformer steps, has {model.dep_steps}")
+        if alignment not in ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}, got {alignment!r}")
         cfg: LMConfig = model.cfg
+        # the lag of the user column behind moshi's (module doc)
+        self.alignment, self._lag = alignment, 1 if alignment == "personaplex" else 0
+        model_context = cfg.context if context is None else context
+        if not isinstance(model_context, int) or model_context < 1 + self._lag:
+            raise ValueError(f"context must be an int >= {1 + self._lag} with alignment {alignment!r}, got {context!r}")
         self.model, self.cfg, self.tokenizer, self.paths = model, cfg, tokenizer, paths
         self.num_slots = slots
         self.text_card, self.card = cfg.text_card, cfg.card
         self.device = model.device
         self._kv_format = dict(dtype=kv_dtype, fp8=kv_fp8)
-        self.kv = model.new_kv_cache(slots, context=context, **self._kv_format)
-        self.context = self.kv.context
-        self.output_delay_frames = cfg.max_delay
-        if RING < cfg.max_delay + 3:
+        self.kv = model.new_kv_cache(slots, context=model_context - self._lag, **self._kv_format)
+        self.context = self.kv.context  # the attention window: frames a live step attends over
+        if RING < cfg.max_delay + 3 or RING < 2 * cfg.max_delay + self._lag:
             raise ValueError(f"token ring of {RING} columns is too short for max delay {cfg.max_delay}")
+        # Live steps without output for a session with a prompt (PrefillJob has each session's).
+        self.output_delay_frames = 1 - self._lag
         K, dev = cfg.num_streams, self.device
         # Host copies too: begin() must not read device tensors back (a sync behind a running step).
         self._delays_host = torch.tensor(cfg.delays, dtype=torch.long)
@@ -249,6 +268,7 @@ class TalkerEngine:
         self.hist = torch.full((slots, K, RING), prompt.UNKNOWN, dtype=torch.long, device=dev)
         self.offset = torch.zeros(slots, dtype=torch.long, device=dev)  # column the next step reads
         self.start = torch.ones(slots, dtype=torch.long, device=dev)  # first frame the model generates
+        self.first_output = torch.ones(slots, dtype=torch.long, device=dev)  # first frame a step returns
         self.dep_kv = model.new_depformer_cache(slots, AGENT_CODEBOOKS)
         # Sampling parameters per slot (device tensors) + top-k on the host (bounds topk without a sync).
         d = SamplingParams()
@@ -287,7 +307,8 @@ class TalkerEngine:
     @classmethod
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, context: int | None = None,
-                        kv_fp8: bool = False, cuda_graph: bool = False, weights_fp8: bool = False) -> "TalkerEngine":
+                        kv_fp8: bool = False, cuda_graph: bool = False, weights_fp8: bool = False,
+                        alignment: str = "personaplex") -> "TalkerEngine":
         """weights_fp8: the temporal layers' matrices in fp8 (services/talker/fp8_weights.py)."""
         section = paths.serve_config()
         cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
@@ -295,7 +316,7 @@ class TalkerEngine:
         if weights_fp8:
             log.info("temporal weights to fp8: %.2f GB saved", model.quantize_weights_fp8_() / 1e9)
         return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8,
-                   cuda_graph=cuda_graph)
+                   cuda_graph=cuda_graph, alignment=alignment)
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -340,6 +361,11 @@ class TalkerEngine:
             self._jobs[slot].cancelled = True
             self._jobs[slot] = None
         self._live[slot] = False
+
+    def first_output_frame(self, prompt_frames: int) -> int:
+        """The first frame a live step returns after a prompt of F frames: F-1 (the prompt's last) with
+        the personaplex lag, F with moshi's; never frame 0 (the start frame's initial tokens)."""
+        return max(1, prompt_frames - self._lag)
 
     def is_live(self, slot: int) -> bool:
         return self._live[slot]
@@ -417,8 +443,9 @@ class TalkerEngine:
         o = self.offset.clone()
         user = slice(1 + AGENT_CODEBOOKS, None)  # streams 9..16
         gen = slice(0, 1 + AGENT_CODEBOOKS)  # text + agent streams 0..8
-        # 1. user codes of this frame into the history (column o + delay)
-        self._write(user, (o[:, None] + self.delays[user][None]) % RING, codes, act[:, None])
+        # 1. user codes of this frame into the history (column o + lag + delay); the lag is a constant
+        #    of the engine, so a captured graph holds one alignment
+        self._write(user, (o[:, None] + self._lag + self.delays[user][None]) % RING, codes, act[:, None])
         # 2. the transformer on column o
         col = (o % RING)[:, None, None].expand(S, self.cfg.num_streams, 1)
         tokens = self.hist.gather(2, col)[..., 0]
@@ -440,7 +467,7 @@ class TalkerEngine:
         out_frame = o + 1 - max_delay
         idx = (out_frame[:, None] + self.delays[gen][None]) % RING
         out = self.hist[:, gen].gather(2, idx[..., None])[..., 0]
-        has_output = act & (out_frame >= self.start)
+        has_output = act & (out_frame >= self.first_output)
         out = torch.where(has_output[:, None], out, torch.full_like(out, -1))
         self.offset.add_(act.long())
         return StepResult(text_tokens=out[:, 0], agent_codes=out[:, 1:], has_output=has_output)
@@ -542,6 +569,7 @@ class TalkerEngine:
         self.hist[slot].fill_(prompt.UNKNOWN)
         self.offset[slot].fill_(0)
         self.start[slot].fill_(1)
+        self.first_output[slot].fill_(1)
 
     def _set_sampling(self, slot: int, s: SamplingParams) -> None:
         self.seed[slot].fill_(s.seed)  # fill_: no wait for the GPU (_reset_slot)
@@ -557,6 +585,7 @@ class TalkerEngine:
         self.hist[slot] = to_device(cols.ring, self.device)
         self.offset[slot].fill_(cols.frames - 1)  # fill_: no wait for the GPU (_reset_slot)
         self.start[slot].fill_(cols.frames)
+        self.first_output[slot].fill_(self.first_output_frame(cols.frames))
         if self.bench_full_context:
             # The same ring indices (positions move by a whole ring), but every index is now valid.
             self.kv.length[slot].add_(self.context)

@@ -622,7 +622,7 @@ class ConversationClock:
         log.info("session %s live in slot %d: %d prompt frames prefilled in %.1f ms (pieces, ms: %s)",
                  s.stream_id, s.slot, s.job.total_frames, ms,
                  " + ".join(f"{t:.1f} [begin {b:.1f}, launch {c:.1f}, device wait {w:.1f}]" for t, b, c, w in s.pieces_ms))
-        s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, self.engine.output_delay_frames, s.seed))
+        s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, s.job.output_delay_frames, s.seed))
         s.job = None
         self._maybe_end(s)
 

@@ -235,12 +235,14 @@ class TalkerService:
             self.engine = await asyncio.to_thread(
                 eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype,
                 context=cfg.context or None, kv_fp8=cfg.kv_fp8, cuda_graph=cfg.cuda_graph,
-                weights_fp8=cfg.weights_fp8)
+                weights_fp8=cfg.weights_fp8, alignment=cfg.alignment)
         elif self.engine.num_slots != cfg.slots:
             raise ValueError(f"the given engine has {self.engine.num_slots} slots, the config says {cfg.slots}")
-        log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), output delay %d frames",
-                 paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device, cfg.torch_dtype,
-                 self.engine.output_delay_frames)
+        elif self.engine.alignment != cfg.alignment:
+            raise ValueError(f"the given engine has alignment {self.engine.alignment}, the config says {cfg.alignment}")
+        log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), %s alignment (attention window %d frames, "
+                 "output delay %d frames)", paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device,
+                 cfg.torch_dtype, self.engine.alignment, self.engine.context, self.engine.output_delay_frames)
         runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms))
         metrics = TalkerMetrics(runtime.metrics)
         runtime.metrics.track_gpu(cfg.device)
