@@ -3,7 +3,7 @@ a running step) gives exactly what the eager engine gives. CPU tests cannot run 
 
     python -m bench.prefill_graph_check        # exits 1 on any difference
 
-The tiny checkpoint in fp32 on the GPU, fp32 and fp8 KV: a session in slot 0 is live and steps
+The tiny checkpoint in fp32 on the GPU, both alignments, fp32 and fp8 KV: a session in slot 0 is live and steps
 while a session with a voice and a persona prefills in slot 2, three frames per step (so prompt
 chunks run between steps, each padded to the graph's 4-frame chunk, reading 8, 16, then all ring
 entries as the prompt grows); then both talk for 30 frames. Compared: every output token and
@@ -47,9 +47,9 @@ def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor, no_sync: bool
     return results
 
 
-def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool) -> tuple[list, torch.Tensor, int]:
+def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool, alignment: str) -> tuple[list, torch.Tensor, int]:
     eng = TalkerEngine.from_checkpoint(paths, slots=3, device="cuda", dtype=torch.float32, kv_fp8=kv_fp8,
-                                       cuda_graph=graphed)
+                                       cuda_graph=graphed, alignment=alignment)
     eng.prefill_graph_frames = 4  # several padded chunks per prompt ...
     eng.prefill_graph_windows = (8, 16)  # ... run by each captured window in turn, then the whole-ring one
     eng.warmup(("NATF2.pt",))
@@ -74,15 +74,15 @@ def main() -> int:
         return 2
     paths = CheckpointPaths.open(ensure_checkpoint("tiny", seed=0))
     ok = True
-    for kv_fp8 in (False, True):
-        eager_out, eager_kv, eager_len = run(paths, kv_fp8, graphed=False)
-        graph_out, graph_kv, graph_len = run(paths, kv_fp8, graphed=True)
+    for alignment, kv_fp8 in ((a, f) for a in ("personaplex", "moshi") for f in (False, True)):
+        eager_out, eager_kv, eager_len = run(paths, kv_fp8, graphed=False, alignment=alignment)
+        graph_out, graph_kv, graph_len = run(paths, kv_fp8, graphed=True, alignment=alignment)
         same_out = eager_out == graph_out
         kv_err = float((graph_kv - eager_kv).abs().max())
         good = same_out and eager_len == graph_len and kv_err <= 1e-4
         ok &= good
         first_diff = next((i for i, (a, b) in enumerate(zip(eager_out, graph_out)) if a != b), None)
-        print(f"kv_fp8={kv_fp8}: outputs identical {same_out} (first difference at step {first_diff}), "
+        print(f"{alignment} kv_fp8={kv_fp8}: outputs identical {same_out} (first difference at step {first_diff}), "
               f"slot length {graph_len} vs {eager_len}, KV max abs diff {kv_err:.2e}: {'PASS' if good else 'FAIL'}")
     return 0 if ok else 1
 

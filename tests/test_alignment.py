@@ -152,3 +152,18 @@ def test_personaplex_bare_session_matches_moshi_lmgen_with_a_window_of_c_minus_1
             ours = torch.cat([r.text_tokens[:, None], r.agent_codes], 1)
             assert torch.equal(ours, theirs[:, :, 0]), f"frame {t}"
     assert int(eng.kv.valid_entries(eng.kv.length[:, None] - 1).max()) == C - 1
+
+
+def test_alignment_is_a_flag_and_an_env_var_and_is_checked(paths):
+    from services.talker.config import TalkerConfig
+
+    assert TalkerConfig.load(["--checkpoint", "/x"], env={}).alignment == "personaplex"
+    assert TalkerConfig.load(["--checkpoint", "/x"], env={"TALKER_ALIGNMENT": "moshi"}).alignment == "moshi"
+    flag = TalkerConfig.load(["--checkpoint", "/x", "--alignment", "personaplex"], env={"TALKER_ALIGNMENT": "moshi"})
+    assert flag.alignment == "personaplex"
+    with pytest.raises(SystemExit, match="alignment"):
+        TalkerConfig.load(["--checkpoint", "/x"], env={"TALKER_ALIGNMENT": "fork"})
+    with pytest.raises(ValueError, match="alignment"):
+        engine(paths, "upstream")
+    with pytest.raises(ValueError, match="context"):
+        engine(paths, "personaplex", context=1)  # a window of C-1 = 0 frames
