@@ -40,6 +40,7 @@ import torch
 
 from services.common.errors import Internal, InvalidArgument, StageError
 from services.common.frame_grid import next_grid_time
+from services.common.link import serve_link
 from services.common.process import check_gil_switch_ms, configure_process
 from services.common.stage_server import FRAME_MS, StageRpcs, StageRuntime, StageServer, freeze_startup_heap
 
@@ -357,11 +358,15 @@ def load_mimi(cfg: CodecServiceConfig, keep: str | None = None):
 
 
 class CodecServicer(StageRpcs):
-    """Base of the Encoder/Decoder servicers: GetCapacity, Drain, and `serve` for the stream RPC."""
+    """Base of the Encoder/Decoder servicers: GetCapacity, Drain, and the bodies of the stream RPC
+    (`stream.serve`) and of the Link RPC (`serve_link`)."""
 
     def __init__(self, runtime: StageRuntime, stream: "CodecStream"):
         self.runtime = runtime
         self.stream = stream
+
+    async def serve_link(self, context, response_cls) -> None:
+        await serve_link(self.runtime, context, response_cls, self.stream.serve)
 
 
 class CodecService:

@@ -12,6 +12,9 @@ covers all three:
     duplex_stage_streams_opened_total{stage}    counter
     duplex_stage_streams_closed_total{stage,reason}  counter: ok | cancelled | error | drained
     duplex_stage_errors_total{stage,kind}       counter: kind = StageError.kind
+    duplex_stage_links_opened_total{stage}      counter: Link RPCs (common.proto: many sessions on one stream)
+    duplex_stage_link_messages_total{stage,direction}  counter: link messages, in | out
+    duplex_stage_link_entries_total{stage,direction}   counter: session entries in those messages
 
 and, once a CUDA stage calls `track_gpu(device)` (absent on CPU), read at scrape time:
 
@@ -65,6 +68,12 @@ class StageMetrics:
         self.frames_in = self._fin.labels(stage)
         self.frames_out = self._fout.labels(stage)
         self.streams_opened = self._opened.labels(stage)
+        links = Counter("duplex_stage_links_opened", "Link RPCs opened", lab, registry=r)
+        messages = Counter("duplex_stage_link_messages", "Link messages", lab + ["direction"], registry=r)
+        entries = Counter("duplex_stage_link_entries", "Session entries in link messages", lab + ["direction"], registry=r)
+        self.links_opened = links.labels(stage)
+        self.link_messages_in, self.link_messages_out = messages.labels(stage, "in"), messages.labels(stage, "out")
+        self.link_entries_in, self.link_entries_out = entries.labels(stage, "in"), entries.labels(stage, "out")
 
     def track(self, active: Callable[[], float], free: Callable[[], float]) -> None:
         """Read the two gauges live from the service's state at scrape time."""

@@ -91,6 +91,9 @@ class StreamHandle:
     async def read(self, context: grpc.aio.ServicerContext):
         """The next request, or None at the end of the client's stream."""
         self.raise_if_killed()
+        poll = getattr(context, "read_nowait", None)  # a link's port: most frames are already queued
+        if poll is not None and (req := poll()) is not None:
+            return None if req is grpc.aio.EOF else req
         read = asyncio.ensure_future(context.read())
         killed = asyncio.ensure_future(self._kill_event.wait())
         try:
@@ -256,6 +259,8 @@ class StageServer:
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            # A link message carries a tick's frames of every session on it (about 1.2 MB at 160).
+            ("grpc.max_receive_message_length", 16 * 2**20),
         ])
         self.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -36,6 +36,9 @@ class DecoderServicer(CodecServicer, decoder_pb2_grpc.DecoderServicer):
     async def Decode(self, request_iterator, context):
         await self.stream.serve(context)
 
+    async def DecodeLink(self, request_iterator, context):
+        await self.serve_link(context, decoder_pb2.DecodeLinkResponse)
+
 
 def build(cfg: DecoderConfig) -> CodecService:
     from services.common.mimi import StreamingDecoder

@@ -34,6 +34,9 @@ class EncoderServicer(CodecServicer, encoder_pb2_grpc.EncoderServicer):
     async def Encode(self, request_iterator, context):
         await self.stream.serve(context)
 
+    async def EncodeLink(self, request_iterator, context):
+        await self.serve_link(context, encoder_pb2.EncodeLinkResponse)
+
 
 def build(cfg: EncoderConfig) -> CodecService:
     from services.common.mimi import StreamingEncoder

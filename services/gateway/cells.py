@@ -53,6 +53,7 @@ class Cell:
     live_sessions: int = 0
     last_poll_ok: float = 0.0
     last_error: dict = field(default_factory=dict)  # stage -> why its last poll failed (logged on change)
+    link: object = None  # this process's pipeline.CellLink to the cell, made on the first session
 
     @property
     def name(self) -> str:
@@ -89,6 +90,8 @@ class Cell:
         }
 
     async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
         for ch in self.channels.values():
             await ch.close()
 

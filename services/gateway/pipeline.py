@@ -1,22 +1,27 @@
-"""One session's three gRPC streams on one cell: encoder -> talker -> decoder.
+"""Sessions on cells: one session's frames through its cell's encoder -> talker -> decoder.
 
-    client frame --send_frame--> Encode stream --codes--> Talk stream --output--> Decode stream --pcm--> on_output
+    client frame --send_frame--> encoder --codes--> talker --output--> decoder --pcm--> on_output
 
-Three small pump tasks move each stage's responses to the next stage. The gateway
-(not the talker) does all per-frame conversion, so nothing here runs on a stage's clock.
+A gateway process talks to each cell over one CellLink: one long-lived Link stream per stage
+(common.proto) that carries every session this process holds on the cell. A link message holds the
+entries of many sessions (a tick's outputs, an encoder batch's codes), so the stages' event loops and
+this one pay per message, not per frame: at 160 sessions the per-session streams cost each stage
+about 4000 gRPC messages a second. The relay between stages stays here: each hop is one entry in a
+message that arrives anyway, and the stages stay independent processes that know only their
+neighbours' contract (direct stage-to-stage feeding would save one loop turn per hop, and couple the
+stages' failure handling).
 
-Lifecycle:
-- `open_on_cells` opens the three streams of one cell concurrently; if any stage
-  refuses, the streams that did open are closed again (nothing is half-opened) and the
-  next cell is tried. All full -> PipelineError("resource_exhausted").
-- `close()` (client close): half-closes the encoder; each pump half-closes the next
-  stage when its input ends, so every queued frame still comes out; all three must end
-  with OK within `cleanup_timeout_s`.
-- `abort()` (socket drop, stage failure, slow client): stop the pumps, half-close every
-  stream that is still open and wait (bounded) for each to end. Anything not confirmed
-  in time is cancelled, logged and counted.
-- Any stage error, or no progress for `stall_timeout_s` while output is due, fails the
-  session once through `on_error` with a typed PipelineError.
+Lifecycle of a session (a Pipeline):
+- `open_on_cells` sends the session's three opens on the cell's links; if any stage refuses, the
+  stages that did open get an end and are waited for (nothing is half-opened), then the next cell is
+  tried. All full -> PipelineError("resource_exhausted").
+- `close()` (client close): the encoder gets an end; each stage's OK status ends the next stage's
+  input, so every queued frame still comes out; all three must end OK within `cleanup_timeout_s`.
+- `abort()` (socket drop, stage failure, slow client): every stage still open gets an end now and is
+  waited for (bounded); one that does not confirm in time is cancelled, logged and counted.
+- A stage's error status, a broken link, or no progress for `stall_timeout_s` while output is due
+  fails the session once through `on_error` with a typed PipelineError. A link that breaks fails
+  only the sessions on it; the next open builds a new one.
 """
 
 from __future__ import annotations
@@ -31,11 +36,20 @@ import grpc
 import numpy as np
 
 from duplex.v1 import common_pb2, decoder_pb2, encoder_pb2, talker_pb2
-from services.common.errors import error_kind
 from services.gateway.audio import FRAME_SAMPLES, f32_frame_bytes, f32_from_frame_bytes
 from services.gateway.cells import STAGES, Cell
 
 log = logging.getLogger("gateway.pipeline")
+
+_REQUESTS = {"encoder": encoder_pb2.EncodeRequest, "talker": talker_pb2.TalkRequest, "decoder": decoder_pb2.DecodeRequest}
+_LINK_REQUESTS = {"encoder": encoder_pb2.EncodeLinkRequest, "talker": talker_pb2.TalkLinkRequest,
+                  "decoder": decoder_pb2.DecodeLinkRequest}
+_LINK_METHODS = {"encoder": "EncodeLink", "talker": "TalkLink", "decoder": "DecodeLink"}
+_OPEN_ANSWER = {"encoder": "opened", "talker": "ready", "decoder": "opened"}
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
+MESSAGE_BYTES = 1 * 2**20  # one outgoing link message at most this big
+OUTBOX_BYTES = 32 * 2**20  # unsent entries on one stage link before send_frame waits
+WATCH_PERIOD_S = 0.25
 
 
 class PipelineError(Exception):
@@ -56,6 +70,22 @@ class PipelineError(Exception):
 
 
 @dataclass(frozen=True)
+class StageEnd:
+    """How a stage ended one session's stream (its LinkStatus)."""
+
+    code: grpc.StatusCode
+    kind: str
+    details: str
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    def describe(self) -> str:
+        return f"{self.code.name} {self.details}".strip()
+
+
+@dataclass(frozen=True)
 class OpenParams:
     stream_id: str
     voice: str
@@ -72,74 +102,160 @@ class OutputFrame:
     latency_s: float  # from handing the input frame to the encoder to having its output PCM
 
 
-_EOF = grpc.aio.EOF
+# ---- the links --------------------------------------------------------------------------------
+
+class StageLink:
+    """One Link stream to one stage of a cell. Entries out are queued and leave as one message per
+    loop turn; entries in go to `on_entry`; the stream's end or failure goes to `on_lost` once."""
+
+    def __init__(self, cell: Cell, stage: str, on_entry: Callable, on_lost: Callable[[str, str], None]):
+        self.cell, self.stage = cell, stage
+        self._on_entry, self._on_lost = on_entry, on_lost
+        self._request_cls = _LINK_REQUESTS[stage]
+        self._call = getattr(cell.stubs[stage], _LINK_METHODS[stage])()
+        self._out: list = []
+        self._out_bytes = 0
+        self._out_ready = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self.lost: str | None = None
+        self.messages = {"in": 0, "out": 0}
+        self._tasks = [asyncio.create_task(self._read_loop(), name=f"link-{cell.name}-{stage}-read"),
+                       asyncio.create_task(self._write_loop(), name=f"link-{cell.name}-{stage}-write")]
+
+    def send(self, stream_id: str, **kind) -> None:
+        """Queue one entry (request=... or end=...) for this stage. Never blocks; see `room`."""
+        if self.lost is not None:
+            return
+        entry = self._request_cls.Entry(stream_id=stream_id, **kind)
+        size = entry.ByteSize()
+        self._out.append((entry, size))
+        self._out_bytes += size
+        if self._out_bytes > OUTBOX_BYTES:
+            self._room.clear()
+        self._out_ready.set()
+
+    async def room(self) -> None:
+        """Wait while this link's unsent entries are over their bound (the stage reads too slowly)."""
+        if not self._room.is_set():
+            await self._room.wait()
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                await self._out_ready.wait()
+                await asyncio.sleep(0)  # one more loop turn: every session's entry of this turn joins
+                self._out_ready.clear()
+                entries, self._out, self._out_bytes = self._out, [], 0
+                self._room.set()
+                chunk, size = [], 0
+                for entry, n in entries:
+                    if chunk and size + n > MESSAGE_BYTES:
+                        await self._write(chunk)
+                        chunk, size = [], 0
+                    chunk.append(entry)
+                    size += n
+                if chunk:
+                    await self._write(chunk)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._lose(f"writing failed: {_describe(e)}")
+
+    async def _write(self, entries: list) -> None:
+        await self._call.write(self._request_cls(entries=entries))
+        self.messages["out"] += 1
+
+    async def _read_loop(self) -> None:
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                self.messages["in"] += 1
+                for entry in msg.entries:
+                    self._on_entry(self.stage, entry)
+            self._lose(f"ended the link: {(await self._call.code()).name} {await self._call.details()}".strip())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._lose(_describe(e))
+
+    def _lose(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+            self._room.set()
+            self._on_lost(self.stage, why)
+
+    async def close(self) -> None:
+        self._lose("link closed")
+        self._call.cancel()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _open_stream(stub_method, first_request, expect: str, timeout: float):
-    """Start one bidi stream, send its open message, wait for the opened/ready answer."""
-    call = stub_method()
-    try:
-        await call.write(first_request)
-        resp = await asyncio.wait_for(call.read(), timeout)
-        if resp is _EOF:
-            raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details())
-        if resp.WhichOneof("kind") != expect:
-            raise PipelineError("runtime_open_failed", f"stage answered {resp.WhichOneof('kind')!r} to open, expected {expect!r}")
-        return call, resp
-    except BaseException:
-        call.cancel()
-        raise
+class CellLink:
+    """This process's three stage links to one cell and the sessions on them."""
+
+    def __init__(self, cell: Cell):
+        self.cell = cell
+        self.sessions: dict[str, Pipeline] = {}
+        self.links = {s: StageLink(cell, s, self._on_entry, self._on_lost) for s in STAGES}
+        self.broken: str | None = None
+        self._watch = asyncio.create_task(self._watchdog(), name=f"link-{cell.name}-watch")
+
+    @classmethod
+    def of(cls, cell: Cell) -> "CellLink":
+        """The cell's working link, made on first use and again after one broke."""
+        link = cell.link
+        if link is None or link.broken is not None:
+            link = cell.link = cls(cell)
+        return link
+
+    def _on_entry(self, stage: str, entry) -> None:
+        p = self.sessions.get(entry.stream_id)
+        if p is not None:  # else: a session already over here (late answers are dropped)
+            p._on_entry(stage, entry)
+
+    def _on_lost(self, stage: str, why: str) -> None:
+        if self.broken is None:
+            self.broken = f"{stage} link: {why}"
+            log.warning("cell %s: %s link lost (%s); its %d session(s) fail", self.cell.name, stage, why,
+                        len(self.sessions))
+        for p in list(self.sessions.values()):
+            p._stage_lost(stage, why)
+        if not self.sessions:
+            asyncio.ensure_future(self.close())
+
+    def _forget(self, p: "Pipeline") -> None:
+        if self.sessions.get(p.params.stream_id) is p:
+            del self.sessions[p.params.stream_id]
+        if self.broken is not None and not self.sessions:
+            asyncio.ensure_future(self.close())
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            now = time.monotonic()
+            for p in list(self.sessions.values()):
+                p._check_stall(now)
+
+    def message_counts(self) -> dict:
+        return {s: dict(link.messages) for s, link in self.links.items()}
+
+    async def close(self) -> None:
+        self._watch.cancel()
+        await asyncio.gather(*(link.close() for link in self.links.values()), return_exceptions=True)
+        if self.cell.link is self:
+            self.cell.link = None
 
 
-async def _shutdown_stream(call, timeout: float) -> bool:
-    """Half-close a stream and wait for it to end. True when the server ended it with OK."""
-    if call.done():
-        return (await call.code()) == grpc.StatusCode.OK
-    try:
-        await call.done_writing()
-    except Exception:  # already half-closed, or the RPC ended meanwhile
-        pass
-
-    async def drain():
-        while (await call.read()) is not _EOF:
-            pass
-
-    try:
-        await asyncio.wait_for(drain(), timeout)
-        return (await call.code()) == grpc.StatusCode.OK
-    except Exception:
-        call.cancel()
-        return False
-
-
-def _grpc_error(e: BaseException) -> tuple[str, str]:
-    if isinstance(e, grpc.aio.AioRpcError):
-        return e.code().name, e.details() or ""
-    return type(e).__name__, str(e)
-
-
-def _stream_failed(stage: str, e: BaseException) -> PipelineError:
-    return PipelineError("runtime_stream_failed", f"{stage} stream failed: {' '.join(_grpc_error(e))}".strip(), stage)
-
-
-async def _to(stage: str, write) -> None:
-    """A pump's write to the next stage's stream: its failure is that stage's, not the pump's.
-    (A killed decoder used to surface as "talker stream failed: RPC already finished" from the
-    talker pump's write, and the dead decoder then counted as an unconfirmed cleanup.)"""
-    try:
-        await write
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        raise _stream_failed(stage, e) from None
-
+# ---- one session --------------------------------------------------------------------------------
 
 class Pipeline:
-    def __init__(self, cell: Cell, params: OpenParams, calls: dict, ready: talker_pb2.TalkReady, stall_timeout_s: float, cleanup_timeout_s: float):
+    def __init__(self, cell: Cell, link: CellLink, params: OpenParams, stall_timeout_s: float, cleanup_timeout_s: float):
         self.cell = cell
         self.params = params
-        self.ready = ready
-        self._calls = calls
+        self.ready: talker_pb2.TalkReady | None = None
+        self._link = link
         self._stall_timeout_s = stall_timeout_s
         self._cleanup_timeout_s = cleanup_timeout_s
         self.on_output: Callable[[OutputFrame], None] = lambda f: None
@@ -149,19 +265,21 @@ class Pipeline:
         self.latencies: list[float] = []  # per output frame, seconds (for the session's summary)
         self._sent_at: dict[int, float] = {}
         self._text: dict[int, tuple[int, str]] = {}
+        loop = asyncio.get_running_loop()
+        self._opened = {s: loop.create_future() for s in STAGES}  # the stage's open answer, or StageEnd
+        self._ended = {s: loop.create_future() for s in STAGES}  # the stage's StageEnd
         self._failed: PipelineError | None = None
         self._closing = False
-        self._aborting = False  # abort() runs: pumps only drain their streams, nothing is forwarded
-        self._writing: asyncio.Future | None = None  # the encoder write in flight, if any
-        self._tasks: list[asyncio.Task] = []
-        self._decoder_done = asyncio.Event()
+        self._aborting = False  # abort() runs: nothing is forwarded any more
+        self._settled = asyncio.Event()  # the decoder ended, or the session failed: close() waits no more
         self._last_output_at = 0.0
         self.cleanup_confirmed: bool | None = None
         self._abort_task: asyncio.Future | None = None
+        self._counted = False  # in cell.live_sessions
 
     @property
     def output_delay_frames(self) -> int:
-        return int(self.ready.output_delay_frames)
+        return int(self.ready.output_delay_frames) if self.ready is not None else 0
 
     def latency_summary(self) -> dict:
         if not self.latencies:
@@ -177,42 +295,35 @@ class Pipeline:
     # ---- open -------------------------------------------------------------
 
     @classmethod
-    async def open_on(cls, cell: Cell, params: OpenParams, *, open_timeout_s: float, stall_timeout_s: float, cleanup_timeout_s: float) -> "Pipeline":
-        stubs = cell.stubs
-        opening = {
-            "encoder": _open_stream(stubs["encoder"].Encode, encoder_pb2.EncodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)), "opened", open_timeout_s),
-            "talker": _open_stream(
-                stubs["talker"].Talk,
-                talker_pb2.TalkRequest(
-                    open=talker_pb2.TalkOpen(
-                        stream=common_pb2.StreamOpen(stream_id=params.stream_id), voice=params.voice, persona=params.persona, sampling=params.sampling
-                    )
-                ),
-                "ready",
-                open_timeout_s,
-            ),
-            "decoder": _open_stream(stubs["decoder"].Decode, decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)), "opened", open_timeout_s),
+    async def open_on(cls, cell: Cell, params: OpenParams, *, open_timeout_s: float, stall_timeout_s: float,
+                      cleanup_timeout_s: float) -> "Pipeline":
+        link = CellLink.of(cell)
+        if params.stream_id in link.sessions:
+            raise PipelineError("runtime_open_failed", f"stream id {params.stream_id!r} is already live on cell {cell.name}")
+        p = cls(cell, link, params, stall_timeout_s, cleanup_timeout_s)
+        link.sessions[params.stream_id] = p
+        opens = {
+            "encoder": encoder_pb2.EncodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
+            "talker": talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(
+                stream=common_pb2.StreamOpen(stream_id=params.stream_id), voice=params.voice, persona=params.persona,
+                sampling=params.sampling)),
+            "decoder": decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
         }
-        results = dict(zip(opening, await asyncio.gather(*opening.values(), return_exceptions=True)))
-        failures = {s: r for s, r in results.items() if isinstance(r, BaseException)}
+        for stage, request in opens.items():
+            p._send(stage, request=request)
+        await asyncio.wait(p._opened.values(), timeout=open_timeout_s)
+        outcomes = {s: _open_outcome(f) for s, f in p._opened.items()}
+        failures = {s: why for s, why in outcomes.items() if why is not None}
         if failures:
-            # Nothing half-opened: close what did open and wait until each stage acknowledges.
-            opened = [r[0] for r in results.values() if not isinstance(r, BaseException)]
-            await asyncio.gather(*(_shutdown_stream(c, cleanup_timeout_s) for c in opened))
+            # Nothing half-opened: end what did open and wait until each stage acknowledges.
+            p._aborting = p._closing = True
+            await p._end_stages(cleanup_timeout_s)
+            link._forget(p)
             raise _open_failure(cell, failures)
-        calls = {s: results[s][0] for s in STAGES}
-        p = cls(cell, params, calls, results["talker"][1].ready, stall_timeout_s, cleanup_timeout_s)
+        p.ready = p._opened["talker"].result().ready
         cell.live_sessions += 1
-        p._start()
+        p._counted = True
         return p
-
-    def _start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._guard("encoder", self._pump_encoder()), name=f"{self.params.stream_id}-enc"),
-            asyncio.create_task(self._guard("talker", self._pump_talker()), name=f"{self.params.stream_id}-talk"),
-            asyncio.create_task(self._guard("decoder", self._pump_decoder()), name=f"{self.params.stream_id}-dec"),
-            asyncio.create_task(self._watchdog(), name=f"{self.params.stream_id}-watch"),
-        ]
 
     # ---- frames in ---------------------------------------------------------
 
@@ -223,99 +334,97 @@ class Pipeline:
         assert frame.shape == (FRAME_SAMPLES,)
         seq = self.frames_in
         self._sent_at[seq] = time.monotonic()
-        # Shielded: a caller cancelled mid-write (the session's reader, when its socket drops)
-        # must not cancel the encoder RPC with it (grpc.aio does); abort() waits for the write.
-        self._writing = asyncio.ensure_future(self._calls["encoder"].write(
-            encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame)))
-        ))
-        self._writing.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved here or by the caller
-        try:
-            await asyncio.shield(self._writing)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            code, details = _grpc_error(e)
-            err = self._failed or PipelineError("runtime_append_failed", f"encoder refused frame {seq}: {code} {details}".strip(), "encoder")
-            self._fail(err)
-            raise err from None
+        self._send("encoder", request=encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame))))
         self.frames_in += 1
+        await self._link.links["encoder"].room()
         return seq
 
-    # ---- pumps -------------------------------------------------------------
+    def _send(self, stage: str, **kind) -> None:
+        link = self._link.links[stage]
+        if link.lost is not None:
+            self._stage_lost(stage, link.lost)
+        else:
+            link.send(self.params.stream_id, **kind)
 
-    async def _guard(self, stage: str, pump) -> None:
+    # ---- entries from the stages --------------------------------------------
+
+    def _on_entry(self, stage: str, entry) -> None:
+        if entry.WhichOneof("kind") == "status":
+            st = entry.status
+            self._stage_ended(stage, StageEnd(_STATUS.get(st.code, grpc.StatusCode.UNKNOWN), st.kind, st.details))
+            return
+        resp = entry.response
+        kind = resp.WhichOneof("kind")
+        if kind == _OPEN_ANSWER[stage]:
+            if not self._opened[stage].done():
+                self._opened[stage].set_result(resp)
+            return
+        if self._aborting:
+            return
         try:
-            await pump
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            err = e if isinstance(e, PipelineError) else _stream_failed(stage, e)
-            if self._aborting:  # the session is already ending: nothing to report to the client
-                log.info("session %s: %s stream ended during abort: %s", self.params.stream_id, stage, err.message)
-                return
-            self._fail(err)
+            if stage == "encoder":
+                codes = resp.codes
+                self._send("talker", request=talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes)))
+            elif stage == "talker":
+                out = resp.output
+                self._text[out.seq] = (out.input_seq, out.text_piece)
+                self._send("decoder", request=decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes)))
+            else:
+                self._on_pcm(resp.pcm)
+        except PipelineError as e:
+            self._fail(e)
 
-    async def _pump_encoder(self) -> None:
-        enc, talk = self._calls["encoder"], self._calls["talker"]
-        while (resp := await enc.read()) is not _EOF:
-            codes = resp.codes
+    def _on_pcm(self, pcm) -> None:
+        input_seq, text = self._text.pop(pcm.seq, (None, ""))
+        if input_seq is None:
+            raise PipelineError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced", "decoder")
+        now = self._last_output_at = time.monotonic()
+        sent = self._sent_at.get(input_seq, now)
+        for s in [s for s in self._sent_at if s <= input_seq]:
+            del self._sent_at[s]
+        self.frames_out += 1
+        if len(self.latencies) < 100_000:
+            self.latencies.append(now - sent)
+        self.on_output(OutputFrame(pcm.seq, input_seq, f32_from_frame_bytes(pcm.pcm_f32le), text, now - sent))
+
+    def _stage_ended(self, stage: str, end: StageEnd) -> None:
+        if self._ended[stage].done():
+            return
+        self._ended[stage].set_result(end)
+        if not self._opened[stage].done():
+            self._opened[stage].set_result(end)
+            return
+        if not end.ok:
             if not self._aborting:
-                await _to("talker", talk.write(talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes))))
-        await self._expect_ok("encoder")
-        await _to("talker", talk.done_writing())
+                self._fail(PipelineError("runtime_stream_failed", f"{stage} ended the stream: {end.describe()}", stage))
+        elif not self._closing:
+            self._fail(PipelineError("runtime_stream_failed", f"{stage} ended the stream before the session closed", stage))
+        elif not self._aborting:
+            # A graceful close: each stage's end ends the next stage's input, after its last frame.
+            if stage == "encoder":
+                self._send("talker", end=common_pb2.LinkEnd())
+            elif stage == "talker":
+                self._send("decoder", end=common_pb2.LinkEnd())
+        if stage == "decoder":
+            self._settled.set()
+        if all(f.done() for f in self._ended.values()):
+            self._link._forget(self)
 
-    async def _pump_talker(self) -> None:
-        talk, dec = self._calls["talker"], self._calls["decoder"]
-        while (resp := await talk.read()) is not _EOF:
-            out = resp.output
-            if self._aborting:
-                continue
-            self._text[out.seq] = (out.input_seq, out.text_piece)
-            await _to("decoder", dec.write(decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes))))
-        await self._expect_ok("talker")
-        await _to("decoder", dec.done_writing())
+    def _stage_lost(self, stage: str, why: str) -> None:
+        """The stage's link broke: the session's stream there is gone."""
+        self._stage_ended(stage, StageEnd(grpc.StatusCode.UNAVAILABLE, "link_lost", f"link lost: {why}"))
 
-    async def _pump_decoder(self) -> None:
-        dec = self._calls["decoder"]
-        while (resp := await dec.read()) is not _EOF:
-            pcm = resp.pcm
-            if self._aborting:
-                continue
-            input_seq, text = self._text.pop(pcm.seq, (None, ""))
-            if input_seq is None:
-                raise PipelineError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced", "decoder")
-            now = self._last_output_at = time.monotonic()
-            sent = self._sent_at.get(input_seq, now)
-            for s in [s for s in self._sent_at if s <= input_seq]:
-                del self._sent_at[s]
-            self.frames_out += 1
-            if len(self.latencies) < 100_000:
-                self.latencies.append(now - sent)
-            self.on_output(OutputFrame(pcm.seq, input_seq, f32_from_frame_bytes(pcm.pcm_f32le), text, now - sent))
-        await self._expect_ok("decoder")
-        self._decoder_done.set()
-
-    async def _expect_ok(self, stage: str) -> None:
-        call = self._calls[stage]
-        code = await call.code()
-        if code != grpc.StatusCode.OK:
-            raise PipelineError("runtime_stream_failed", f"{stage} ended the stream: {code.name} {await call.details()}".strip(), stage)
-        if not self._closing:
-            raise PipelineError("runtime_stream_failed", f"{stage} ended the stream before the session closed", stage)
-
-    async def _watchdog(self) -> None:
+    def _check_stall(self, now: float) -> None:
         """Output is due for every input frame past the model's delay. With frames due and no
         output for `stall_timeout_s` (a backlog that still moves is not a stall), fail typed."""
-        period = min(0.25, self._stall_timeout_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            due = [t for s, t in self._sent_at.items() if s >= self.output_delay_frames]
-            if not due:
-                continue
-            waiting = time.monotonic() - max(self._last_output_at, min(due))
-            if waiting > self._stall_timeout_s:
-                self._fail(PipelineError("stage_stalled", f"no output for {waiting:.1f}s while {len(due)} frame(s) are due"))
-                return
+        if self._failed or self._aborting or self.ready is None:
+            return
+        due = [t for s, t in self._sent_at.items() if s >= self.output_delay_frames]
+        if not due:
+            return
+        waiting = now - max(self._last_output_at, min(due))
+        if waiting > self._stall_timeout_s:
+            self._fail(PipelineError("stage_stalled", f"no output for {waiting:.1f}s while {len(due)} frame(s) are due"))
 
     # ---- failure and close -------------------------------------------------
 
@@ -323,19 +432,21 @@ class Pipeline:
         if self._failed is not None:
             return
         self._failed = err
+        self._settled.set()
         log.warning("session %s on cell %s failed: %s %s", self.params.stream_id, self.cell.name, err.code, err.message)
         self.on_error(err)
 
     async def close(self) -> bool:
         """Client close: every queued frame still comes out, then all three streams end OK."""
         self._closing = True
-        if self._failed is None:
+        if self._failed is None and not self._aborting:
+            self._send("encoder", end=common_pb2.LinkEnd())
             try:
-                await self._calls["encoder"].done_writing()
-                await asyncio.wait_for(self._decoder_done.wait(), self._cleanup_timeout_s)
-            except Exception as e:
+                await asyncio.wait_for(self._settled.wait(), self._cleanup_timeout_s)
+            except asyncio.TimeoutError:
                 if self._failed is None:
-                    log.warning("session %s: graceful close did not finish: %s", self.params.stream_id, _grpc_error(e))
+                    log.warning("session %s: graceful close did not finish in %.1fs", self.params.stream_id,
+                                self._cleanup_timeout_s)
         return await self.abort()
 
     async def abort(self) -> bool:
@@ -346,63 +457,70 @@ class Pipeline:
         return await asyncio.shield(self._abort_task)
 
     async def _abort(self) -> bool:
-        # Half-close every stream and let each pump read its stream to the end, forwarding
-        # nothing. Not a plain cancel of the pumps: cancelling a task that waits in
-        # call.read() cancels the RPC itself (grpc.aio), and a cancelled stream is never a
-        # confirmed end. A pump still reading after the cleanup bound is cancelled (unconfirmed).
         self._aborting = True
-        self._tasks[-1].cancel()  # the watchdog
-        if self._writing is not None:  # one write at a time on a stream: let the last one finish
-            await asyncio.wait([self._writing], timeout=self._cleanup_timeout_s)
-        for s in STAGES:
-            call = self._calls[s]
-            if not call.done():
-                try:
-                    await asyncio.wait_for(call.done_writing(), self._cleanup_timeout_s)
-                except Exception:  # already half-closed, ended meanwhile, or stuck (then cancelled)
-                    pass
-        _, stuck = await asyncio.wait(self._tasks[:-1], timeout=self._cleanup_timeout_s)
-        for t in stuck:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        oks = await asyncio.gather(*(_shutdown_stream(self._calls[s], self._cleanup_timeout_s) for s in STAGES))
-        # A stage that failed cannot acknowledge; the session's cleanup is confirmed when
-        # every stage that is still alive did.
+        ends = await self._end_stages(self._cleanup_timeout_s)
+        # A stage that failed cannot acknowledge; the session's cleanup is confirmed when every
+        # stage that is still alive did.
         failed_stage = self._failed.stage if self._failed else None
-        self.cleanup_confirmed = all(ok or s == failed_stage for s, ok in zip(STAGES, oks))
-        self.cell.live_sessions -= 1
+        self.cleanup_confirmed = all(end is not None and (end.ok or s == failed_stage or end.kind == "link_lost")
+                                     for s, end in ends.items())
+        if self._counted:
+            self.cell.live_sessions -= 1
+            self._counted = False
+        self._link._forget(self)
         if not self.cleanup_confirmed:
-            log.error(
-                "session %s: cleanup not confirmed within %.1fs by %s",
-                self.params.stream_id,
-                self._cleanup_timeout_s,
-                ", ".join(s for s, ok in zip(STAGES, oks) if not ok and s != failed_stage),
-            )
+            log.error("session %s: cleanup not confirmed within %.1fs by %s", self.params.stream_id,
+                      self._cleanup_timeout_s,
+                      ", ".join(f"{s} ({end.describe() if end else 'no answer'})" for s, end in ends.items()
+                                if end is None or not (end.ok or s == failed_stage)))
         return self.cleanup_confirmed
+
+    async def _end_stages(self, timeout: float) -> dict[str, StageEnd | None]:
+        """Half-close every stage still open and wait (bounded) for each to end; cancel the rest."""
+        for s in STAGES:
+            if not self._ended[s].done():
+                self._send(s, end=common_pb2.LinkEnd())
+        await asyncio.wait(self._ended.values(), timeout=timeout)
+        ends = {s: (f.result() if f.done() else None) for s, f in self._ended.items()}
+        for s, end in ends.items():
+            if end is None:
+                self._send(s, end=common_pb2.LinkEnd(cancel=True))
+        return ends
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name} {e.details() or ''}".strip()
+    return f"{type(e).__name__}: {e}"
+
+
+def _open_outcome(fut: asyncio.Future) -> StageEnd | PipelineError | None:
+    """Why a stage did not open the session (None: it did)."""
+    if not fut.done():
+        return PipelineError("runtime_open_failed", "no answer to the open in time")
+    result = fut.result()
+    return result if isinstance(result, StageEnd) else None
 
 
 # The talker's `error-kind` of a refused open -> the Realtime error code the client sees.
 _TALKER_REFUSALS = {"bad_voice": "invalid_voice", "bad_persona": "invalid_instructions", "bad_sampling": "invalid_sampling"}
 
 
-def _open_failure(cell: Cell, failures: dict[str, BaseException]) -> PipelineError:
-    for stage, e in failures.items():
-        if isinstance(e, PipelineError):
-            return e
-        code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
-        details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e) or type(e).__name__
-        if code == grpc.StatusCode.INVALID_ARGUMENT and stage == "talker":
-            which = _TALKER_REFUSALS.get(error_kind(e), "invalid_instructions")
-            return PipelineError(which, details or "talker refused the session settings", stage, client_fault=True)
+def _open_failure(cell: Cell, failures: dict[str, StageEnd | PipelineError]) -> PipelineError:
+    for stage, end in failures.items():
+        if stage == "talker" and isinstance(end, StageEnd) and end.code == grpc.StatusCode.INVALID_ARGUMENT:
+            which = _TALKER_REFUSALS.get(end.kind, "invalid_instructions")
+            return PipelineError(which, end.details or "talker refused the session settings", stage, client_fault=True)
     # Not a client fault: RESOURCE_EXHAUSTED anywhere means full; anything else is a stage problem.
-    if any(isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures.values()):
+    if any(isinstance(e, StageEnd) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures.values()):
         return PipelineError("resource_exhausted", f"cell {cell.name} has no free slot", None)
-    stage, e = next(iter(failures.items()))
-    code, details = _grpc_error(e)
-    return PipelineError("runtime_open_failed", f"{stage} did not open the stream: {code} {details}".strip(), stage)
+    stage, end = next(iter(failures.items()))
+    why = end.describe() if isinstance(end, StageEnd) else end.message
+    return PipelineError("runtime_open_failed", f"{stage} did not open the stream: {why}", stage)
 
 
-async def open_on_cells(cells: list[Cell], make_params: Callable[[], OpenParams], *, open_timeout_s: float, stall_timeout_s: float, cleanup_timeout_s: float) -> Pipeline:
+async def open_on_cells(cells: list[Cell], make_params: Callable[[], OpenParams], *, open_timeout_s: float,
+                        stall_timeout_s: float, cleanup_timeout_s: float) -> Pipeline:
     """Admit a session on the first cell (least loaded first) whose three stages all accept it."""
     if not cells:
         raise PipelineError("resource_exhausted", "no cell has a free session slot", None)
@@ -410,7 +528,8 @@ async def open_on_cells(cells: list[Cell], make_params: Callable[[], OpenParams]
     for cell in cells:
         cell.admitted_since_poll += 1
         try:
-            return await Pipeline.open_on(cell, make_params(), open_timeout_s=open_timeout_s, stall_timeout_s=stall_timeout_s, cleanup_timeout_s=cleanup_timeout_s)
+            return await Pipeline.open_on(cell, make_params(), open_timeout_s=open_timeout_s,
+                                          stall_timeout_s=stall_timeout_s, cleanup_timeout_s=cleanup_timeout_s)
         except PipelineError as e:
             cell.admitted_since_poll -= 1
             if e.client_fault:

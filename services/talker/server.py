@@ -35,6 +35,7 @@ import grpc
 from duplex.v1 import talker_pb2, talker_pb2_grpc
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.errors import Internal, InvalidArgument, StageError, Unavailable
+from services.common.link import serve_link
 from services.common.stage_server import StageRpcs, StageRuntime, StageServer, freeze_startup_heap, validate_stream_id
 from services.talker.config import TalkerConfig
 from services.talker.metrics import TalkerMetrics
@@ -179,6 +180,9 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
                     self.clock.close(session)
                 if handle is not None:
                     self.runtime.close_stream(handle, reason)
+
+    async def TalkLink(self, request_iterator, context):
+        await serve_link(self.runtime, context, talker_pb2.TalkLinkResponse, lambda port: self.Talk(None, port))
 
     async def _read_frames(self, handle, session: Session, context) -> None:
         """Validate and queue the client's frames; any error ends the stream through the outbox."""
