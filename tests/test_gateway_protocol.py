@@ -194,19 +194,29 @@ async def test_cells_from_dns_name_use_the_configured_ports():
         await pool.stop()
 
 
-async def test_a_failed_write_to_the_next_stage_is_that_stages_failure():
-    """A pump's write into the next stage's stream fails when that stage is gone (here: a real
-    gRPC stream to a port nobody serves). The failure is the next stage's, so the session's
-    cleanup does not wait for a confirmation the dead stage can never give."""
-    import grpc
+async def test_a_lost_stage_link_fails_the_session_at_once_as_that_stages_failure():
+    """A cell whose stages nobody serves (real gRPC links to ports with no server): the open fails
+    typed and at once, attributed to a stage, not after the open timeout, and the broken link is
+    replaced by a new one for the next open."""
+    import time
 
-    from duplex.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
-    from services.gateway.pipeline import PipelineError, _to
+    from duplex.v1 import talker_pb2
+    from services.gateway.cells import _make_cell
+    from services.gateway.pipeline import OpenParams, Pipeline, PipelineError
     from tools.procs import free_port
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as channel:
-        call = decoder_pb2_grpc.DecoderStub(channel).Decode()
+    cell = _make_cell(CellAddress(*(f"127.0.0.1:{free_port()}" for _ in range(3))))
+    params = OpenParams("s-1", "", "persona", talker_pb2.Sampling())
+    try:
+        t0 = time.monotonic()
         with pytest.raises(PipelineError) as e:
-            await _to("decoder", call.write(decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=0, codes=[0] * 8))))
-    assert e.value.stage == "decoder" and e.value.code == "runtime_stream_failed"
-    assert e.value.message.startswith("decoder stream failed: ")
+            await Pipeline.open_on(cell, params, open_timeout_s=30, stall_timeout_s=5, cleanup_timeout_s=5)
+        assert time.monotonic() - t0 < 10
+        assert e.value.code == "runtime_open_failed" and e.value.stage in ("encoder", "talker", "decoder")
+        assert "link lost" in e.value.message
+        first = cell.link
+        with pytest.raises(PipelineError):
+            await Pipeline.open_on(cell, params, open_timeout_s=30, stall_timeout_s=5, cleanup_timeout_s=5)
+        assert cell.link is not first or first is None
+    finally:
+        await cell.close()
