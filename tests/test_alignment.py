@@ -1,10 +1,11 @@
-"""The two live-step timings of the Talker engine (services/talker/engine.py module doc), on the tiny
+"""How the talker matches NVIDIA's reference server: the two live-step timings of the engine (services/talker/engine.py module doc), on the tiny
 checkpoint, greedy:
 
 - "personaplex" (NVIDIA's fork, the default): user frame j is written to column F+j and read at
   step j+1; step 0 returns the prompt's last frame; N inputs give N outputs; attention over C-1.
 - "moshi" (upstream 0.2.13): read in the same step, N-1 outputs, attention over C
   (its parity with moshi's LMGen is tests/test_engine.py's).
+And the persona edge cases: `<system>` alone, and the empty persona (which the reference crashes on).
 """
 
 from __future__ import annotations
@@ -167,3 +168,30 @@ def test_alignment_is_a_flag_and_an_env_var_and_is_checked(paths):
         engine(paths, "upstream")
     with pytest.raises(ValueError, match="context"):
         engine(paths, "personaplex", context=1)  # a window of C-1 = 0 frames
+
+
+# ---------------------------------------------------------------------------- persona edge cases
+
+
+def test_a_persona_that_is_exactly_the_system_tag_is_used_as_it_stands(paths):
+    """The reference keeps a stripped text that starts and ends with `<system>`: the tag alone stays one tag."""
+    eng = engine(paths, "personaplex")
+    tag = eng.tokenizer.encode("<system>")
+    assert eng.tokenizer.encode_persona("<system>") == tag == eng.tokenizer.encode_persona("  <system>\n")
+    assert eng.tokenizer.encode_persona("hi") == eng.tokenizer.encode("<system> hi <system>") != tag
+    job = start(eng, 0, None, "<system>")
+    assert job.prompt_frames == 6 + len(tag) + 6
+
+
+@pytest.mark.parametrize("persona", ["", "  \n\t"])
+def test_an_empty_persona_is_the_voice_and_the_two_silences_alone(paths, persona):
+    """Defined here (the reference crashes): no persona frames at all, not an empty `<system>  <system>` pair."""
+    eng = engine(paths, "personaplex")
+    assert eng.tokenizer.encode_persona(persona) == []
+    with_voice = start(eng, 0, "NATF2.pt", persona)
+    tag = len(eng.tokenizer.encode("<system>"))
+    assert with_voice.prompt_frames == start(eng, 1, "NATF2.pt", "<system>").prompt_frames - tag
+    no_voice = start(eng, 1, None, persona)
+    assert no_voice.prompt_frames == 12 and no_voice.output_delay_frames == 0
+    out = run(eng, 1, user_frames(4, 6))
+    assert out[0] == (prompt.PAD_ID, prompt.SILENCE_TOKENS) and all(o is not None for o in out)

@@ -132,7 +132,7 @@ async def test_hundreds_of_open_close_and_abrupt_disconnects_leak_nothing(stack,
 
 async def test_a_session_runs_many_windows_past_the_talker_context(stack, idle):
     """120 frames through a talker whose attention window is 32 frames (the KV ring wraps
-    several times past the 13-frame prompt): no error, every input frame past the model's delay yields exactly one
+    several times past the 12-frame prompt): no error, every input frame past the model's delay yields exactly one
     audio delta and one transcript delta, and the audio stays finite and non-silent."""
     rt = await RT.connect(stack.gateway.ws_url)
     created = await rt.open(instructions="")

@@ -67,11 +67,15 @@ class TextTokenizer:
 
     @staticmethod
     def wrap_persona(text: str) -> str:
-        """`<system> text <system>` as the reference prompt builder does (unless already wrapped)."""
+        """The reference server's rule: the stripped text as it stands if it starts and ends with
+        `<system>` (so `<system>` alone stays one tag), else `<system> text <system>`; "" for an
+        empty (or all-whitespace) persona."""
         t = text.strip()
-        if t.startswith(SYSTEM_TAG) and t.endswith(SYSTEM_TAG) and len(t) >= 2 * len(SYSTEM_TAG):
+        if not t or (t.startswith(SYSTEM_TAG) and t.endswith(SYSTEM_TAG)):
             return t
         return f"{SYSTEM_TAG} {t} {SYSTEM_TAG}"
 
     def encode_persona(self, text: str) -> list[int]:
+        """The persona's prompt tokens. An empty persona has none: the reference server crashes on it,
+        and its prompt flow with no text tokens is the voice and the two silences alone."""
         return self.encode(self.wrap_persona(text))

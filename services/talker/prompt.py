@@ -11,6 +11,7 @@ The prompt (reference order, teacher forced, one frame each):
     voice frames (from voices/*.pt: embeddings of columns 0..N-2 + the token ring after them)
     6 silence frames:   text PAD, agent SILENCE, user SINE
     persona frames:     text = one token of "<system> persona <system>", agent SILENCE, user SINE
+                        (none for an empty persona: text.py's TextTokenizer.encode_persona)
     6 silence frames
 Without a voice, the first silence frame is frame 0 (initial tokens), as in the reference.
 
