@@ -402,8 +402,13 @@ async def test_zz_draining_cell_gets_no_new_session(stack):
         encoder_pb2_grpc.EncoderStub(ch).Drain(common_pb2.DrainRequest(deadline_s=0), timeout=10)
     await asyncio.sleep(1.0)  # the next capacity poll sees `draining`
     status, body, _ = http_get(stack.gateway.http_url + "/health")
-    assert json.loads(body)["cell_detail"][0]["draining"] is True
+    assert status == 503 and json.loads(body)["status"] == "draining" and json.loads(body)["cell_detail"][0]["draining"] is True
+    assert http_get(stack.gateway.http_url + "/health/live")[0] == 200  # alive, only not ready
     rt = await RT.connect(stack.gateway.ws_url)
     ev = await rt.open()
-    assert ev["type"] == "error" and ev["error"]["code"] == "resource_exhausted", ev
+    # A retry-later refusal that says why, not resource_exhausted (which invites retrying at once).
+    assert ev["type"] == "error" and ev["error"]["code"] == "server_shutting_down", ev
+    with pytest.raises(ConnectionClosed) as closed:
+        await rt.recv(30)
+    assert closed.value.rcvd.code == 1013
     assert stage_capacity(stack, "encoder").active_streams == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 import urllib.parse
 
@@ -303,5 +304,165 @@ def test_opus_message_over_five_seconds_gets_its_own_error_and_the_session_goes_
             msg = ws.recv(60)
             assert msg[0] != 5, msg
             got_audio = msg[0] == 1
+    feeder.check_alive(1)
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- row 1: a session.update that cannot reopen ---------------------------------------------------
+
+class Racer:
+    """A client in a loop: connect, open, hold the slot briefly, close; takes any slot that frees."""
+
+    def __init__(self, url: str):
+        self.url, self.opened, self.refused = url, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rt = SyncRT(self.url)
+                rt.send({"type": "session.update", "session": {"type": "realtime"}})
+                ev = rt.recv(60)
+                if ev["type"] == "session.created":
+                    self.opened += 1
+                    time.sleep(0.3)
+                else:
+                    assert ev["error"]["code"] == "resource_exhausted", ev
+                    self.refused += 1
+                rt.close()
+            except (ConnectionClosed, OSError, TimeoutError):
+                pass
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _after_refused_reopen(rt: SyncRT, first_error: dict) -> str:
+    """What follows a refused reopen: the old session goes on ("kept"), or session.closed then a
+    1013/1011 close ("closed"). Anything else fails."""
+    ev = rt.next_reply(30)
+    if ev["type"] == "session.closed":
+        with pytest.raises(ConnectionClosed) as e:
+            rt.recv(30)
+        assert e.value.rcvd.code in (1013, 1011), e.value
+        return "closed"
+    assert ev["type"] == "session.heartbeat_ack", (first_error, ev)
+    return "kept"
+
+
+@pytest.mark.parametrize("persona", ["You are brisk.", "You are\x00 brisk."])
+def test_session_update_that_cannot_reopen_is_typed_and_gauges_return(stack, feeder, baseline, persona):
+    """A full cell (the feeder and A hold both slots) and three clients racing for any slot that
+    frees. A changes its persona before any audio, six times: a valid persona gives either
+    session.updated (new persona live) or, when a racer took the freed slot, a typed
+    resource_exhausted and a clearly closed session (session.closed, close 1013); a persona the
+    talker refuses (NUL) gives invalid_instructions and the old session, untouched. Never a
+    silently dead session. After everyone leaves, every gauge is back at baseline (the probe saw
+    gateway_sessions_active stuck at 1)."""
+    racers = [Racer(stack.gateway.ws_url) for _ in range(3)]
+    outcomes: dict[str, int] = {}
+    try:
+        for round_ in range(6):
+            rt = None
+            while rt is None:  # A gets in when a racer lets go
+                candidate = SyncRT(stack.gateway.ws_url)
+                candidate.send({"type": "session.update", "session": {"type": "realtime"}})
+                if candidate.recv(60)["type"] == "session.created":
+                    assert candidate.recv(30)["type"] == "session.updated"
+                    rt = candidate
+                else:
+                    candidate.close()
+                    time.sleep(0.02)
+            rt.send({"type": "session.update", "event_id": f"u{round_}", "session": {"instructions": persona}})
+            rt.send({"type": "session.heartbeat"})
+            ev = rt.next_reply(60)
+            if ev["type"] == "session.updated":
+                assert ev["session"]["instructions"] == persona and "\x00" not in persona
+                outcome = "updated"
+            else:
+                assert ev["type"] == "error" and ev["error"]["event_id"] == f"u{round_}", ev
+                expected = "invalid_instructions" if "\x00" in persona else "resource_exhausted"
+                assert ev["error"]["code"] == expected, ev
+                outcome = _after_refused_reopen(rt, ev)
+            assert outcome == "kept" if "\x00" in persona else outcome in ("updated", "closed"), outcome
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            if outcome != "closed":  # the session works: audio in, frames out
+                rt.send(append(tone(2)))
+                while rt.frames < 1:
+                    assert rt.recv(60)["type"] != "error"
+            rt.close()
+    finally:
+        for r in racers:
+            r.stop()
+    print(f"\n[hostile] persona {persona!r}: {outcomes}; racers opened {sum(r.opened for r in racers)}")
+    assert sum(r.refused for r in racers) > 0  # the cell really was contended
+    feeder.check_alive(1)
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- idle timeouts (risk 8) --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def idle_gateway(stack):
+    """A second gateway on the same cell with short idle bounds (1.5 s)."""
+    from tools.run_stack import GatewayProcess
+
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--idle-connection-timeout", "1.5"],
+                        env={"GATEWAY_IDLE_SESSION_TIMEOUT_S": "1.5"}).start()
+    yield gw
+    gw.stop()
+
+
+def _closed_for_idleness(rt: SyncRT, keep_alive: dict | None = None) -> tuple[float, list[dict]]:
+    t0, seen = time.monotonic(), []
+    with pytest.raises(ConnectionClosed) as e:
+        while True:
+            if keep_alive:
+                try:
+                    rt.send(keep_alive)
+                except ConnectionClosed:  # what the server sent before closing is still read below
+                    keep_alive = None
+            try:
+                seen.append(rt.recv(0.3))
+            except TimeoutError:
+                pass
+            assert time.monotonic() - t0 < 20
+    assert e.value.rcvd.code == 1008 and e.value.rcvd.reason == "idle timeout", e.value
+    return time.monotonic() - t0, seen
+
+
+def test_idle_connection_session_and_chat_are_closed_and_slots_come_back(stack, feeder, baseline, idle_gateway):
+    """With 1.5 s bounds: a WebSocket that only sends heartbeats and never opens a session, a session
+    that never appends audio, and an /api/chat session that sends no audio are each closed with a
+    typed `idle_timeout` (close 1008) within a few seconds, and their slots come back. A paced
+    session on the same gateway is not touched."""
+    url = idle_gateway.ws_url
+    paced = Feeder(url, instructions="You are steady.")
+    time.sleep(3)  # twice the bound: a session that sends audio is never idle
+    paced.check_alive(3)
+    assert paced.stop()["frames_out"] > 0
+    no_session = SyncRT(url)
+    took, seen = _closed_for_idleness(no_session, keep_alive={"type": "session.heartbeat"})
+    assert 1.4 < took < 6 and [e["error"]["code"] for e in seen if e["type"] == "error"] == ["idle_timeout"], seen
+    silent = SyncRT(url)
+    silent.send({"type": "session.update", "session": {"type": "realtime"}})
+    took, seen = _closed_for_idleness(silent)
+    types = [e["type"] for e in seen]
+    assert types[:3] == ["session.created", "session.updated", "error"] and types[-1] == "session.closed", types
+    assert seen[2]["error"]["code"] == "idle_timeout"
+    chat_url = f"ws://{idle_gateway.host}:{idle_gateway.port}/api/chat?text_prompt=Hi"
+    with sync_connect(chat_url, max_size=None, open_timeout=60, legacy=True) as ws:
+        assert ws.recv(60) == b"\x00"
+        t0 = time.monotonic()
+        msgs = []
+        with pytest.raises(ConnectionClosed) as e:
+            while True:
+                msgs.append(ws.recv(20))
+        assert e.value.rcvd.code == 1008 and 1.4 < time.monotonic() - t0 < 6
+        assert msgs[-1][0] == 5 and msgs[-1][1:].startswith(b"idle_timeout:"), msgs[-1:]
     feeder.check_alive(1)
     assert_back_to_baseline(stack, baseline)

@@ -145,6 +145,14 @@ class CellPool:
         """True when every stage of at least one cell is serving."""
         return any(c.serving for c in self.cells.values())
 
+    def admission_state(self) -> str:
+        """"ready": some cell is serving and not draining (it admits, or will once a slot frees);
+        "draining": every serving cell drains; "down": no cell is serving."""
+        serving = [c for c in self.cells.values() if c.serving]
+        if not serving:
+            return "down"
+        return "draining" if all(c.draining for c in serving) else "ready"
+
     def capacity_summary(self) -> dict:
         serving = [c for c in self.cells.values() if c.serving]
         return {

@@ -37,6 +37,13 @@ def _is_host_port(text: str) -> bool:
     return bool(host) and bool(sep) and port.isdigit() and 0 < int(port) < 65536
 
 
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise SystemExit(f"environment variable {name}={os.environ[name]!r} is not a number") from None
+
+
 def parse_cells(text: str) -> tuple[CellAddress, ...]:
     """'enc:p,talk:p,dec:p;enc:p,talk:p,dec:p' -> cells."""
     return tuple(CellAddress.parse(c) for c in text.split(";") if c.strip())
@@ -77,6 +84,10 @@ class GatewayConfig:
     # Kernel send buffer per client socket (0 = the OS default, which can autotune to MBs):
     # with the queue above, what a client that stops reading can hold up is bounded.
     send_buffer_bytes: int = 256 * 1024
+    # Idle bounds (0 = none): a WebSocket that opens no session, and a session that appends no audio
+    # (since its open or its last audio message), are closed with an `idle_timeout` error after this long.
+    idle_connection_timeout_s: float = 30.0
+    idle_session_timeout_s: float = 30.0
     static_dir: Path = field(default=STATIC_DIR)
 
     @classmethod
@@ -101,6 +112,10 @@ class GatewayConfig:
         p.add_argument("--output-queue-bytes", type=int, default=d.output_queue_bytes)
         p.add_argument("--send-buffer-bytes", type=int, default=d.send_buffer_bytes)
         p.add_argument("--static-dir", default=str(d.static_dir))
+        p.add_argument("--idle-connection-timeout", type=float, default=_env_float("GATEWAY_IDLE_CONNECTION_TIMEOUT_S", d.idle_connection_timeout_s),
+                       help="seconds a WebSocket may stay open without a session (env GATEWAY_IDLE_CONNECTION_TIMEOUT_S; 0 = no bound)")
+        p.add_argument("--idle-session-timeout", type=float, default=_env_float("GATEWAY_IDLE_SESSION_TIMEOUT_S", d.idle_session_timeout_s),
+                       help="seconds a session may go without audio (env GATEWAY_IDLE_SESSION_TIMEOUT_S; 0 = no bound)")
         a = p.parse_args(argv)
         cells = parse_cells(a.cells) if a.cells else ()
         if a.cells_file:
@@ -129,4 +144,6 @@ class GatewayConfig:
             output_queue_bytes=a.output_queue_bytes,
             send_buffer_bytes=a.send_buffer_bytes,
             static_dir=Path(a.static_dir),
+            idle_connection_timeout_s=a.idle_connection_timeout,
+            idle_session_timeout_s=a.idle_session_timeout,
         )

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import re
 import secrets
+import time
 
 import numpy as np
 import sphn
@@ -26,7 +27,7 @@ from duplex.v1 import talker_pb2
 from services.gateway import audio
 from services.gateway.bounded import OutputQueue, brief
 from services.gateway.pipeline import OpenParams, OutputFrame, PipelineError, open_on_cells
-from services.gateway.realtime import LOGGED_CLIENT_ERRORS
+from services.gateway.realtime import LOGGED_CLIENT_ERRORS, RETRY_LATER, admission_error
 
 log = logging.getLogger("gateway.native")
 
@@ -49,6 +50,7 @@ class NativeSession:
         self._assembler = audio.FrameAssembler()
         self._pipeline = None
         self._client_errors = 0
+        self._audio_at = time.monotonic()
 
     def _send(self, kind: int, payload: bytes) -> None:
         try:
@@ -79,14 +81,14 @@ class NativeSession:
             return await self._refuse("invalid_request_error", "invalid_voice", f"voice_prompt {brief(voice)} is not a bundled basename such as NATF2.pt", 1008)
         if len(persona) > self.cfg.max_instructions_chars or not _SEED.fullmatch(seed) or int(seed) >= 2**63:
             return await self._refuse("invalid_request_error", "bad_event", "text_prompt too long or seed not a non-negative integer", 1008)
-        if not self.ctx.pool.healthy():
-            return await self._refuse("server_error", "runtime_open_failed", "no cell is serving", 1011)
+        if (refusal := admission_error(self.ctx.pool)) is not None:
+            return await self._refuse(refusal.error_type, refusal.code, refusal.message, 1013 if refusal.code in RETRY_LATER else 1011)
         try:
             params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona, talker_pb2.Sampling(seed=int(seed)))  # noqa: E731
             self._pipeline = await open_on_cells(self.ctx.pool.candidates(), params, open_timeout_s=self.cfg.open_timeout_s,
                                                  stall_timeout_s=self.cfg.stall_timeout_s, cleanup_timeout_s=self.cfg.cleanup_timeout_s)
         except PipelineError as e:
-            return await self._refuse(e.error_type, e.code, e.message, 1013 if e.code == "resource_exhausted" else 1008 if e.client_fault else 1011)
+            return await self._refuse(e.error_type, e.code, e.message, 1013 if e.code in RETRY_LATER else 1008 if e.client_fault else 1011)
         p = self._pipeline
         p.on_output = self._on_output
         p.on_error = self._on_error
@@ -97,12 +99,13 @@ class NativeSession:
         writer = asyncio.create_task(self._write_loop())
         reader = asyncio.create_task(self._read_loop())
         ended = asyncio.create_task(self._ended.wait())
+        idle = asyncio.create_task(self._idle_watch())
         try:
             await asyncio.wait({reader, writer, ended}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (reader, ended):
+            for t in (reader, ended, idle):
                 t.cancel()
-            await asyncio.gather(reader, ended, return_exceptions=True)
+            await asyncio.gather(reader, ended, idle, return_exceptions=True)
             if not await p.abort():
                 self.ctx.metrics.cleanup_unconfirmed.inc()
             self.ctx.metrics.sessions_active.labels("native").dec()
@@ -121,13 +124,26 @@ class NativeSession:
         while (msg := await self._out.get()) is not None:
             await self.ws.send(msg)
 
+    async def _idle_watch(self) -> None:
+        """No audio message for idle_session_timeout_s (0 = never): the client is gone or stuck; free the slots."""
+        limit = self.cfg.idle_session_timeout_s
+        if limit <= 0:
+            return
+        while time.monotonic() - self._audio_at <= limit:
+            await asyncio.sleep(min(1.0, limit / 4))
+        self._error("idle_timeout", f"no audio message for {limit:g} s: the session is closed")
+        self._close = (1008, "idle timeout")
+        self._ended.set()
+
     async def _read_loop(self) -> None:
         async for message in self.ws:
             if isinstance(message, str) or not message:
                 self._error("bad_event", "messages are binary: one kind byte, then the payload")
                 continue
             kind, payload = message[0], message[1:]
-            if kind != KIND_AUDIO:
+            if kind == KIND_AUDIO:
+                self._audio_at = time.monotonic()  # a live client, even if this message is refused
+            else:
                 self._error("unknown_event", f"message kind {kind} is not accepted from clients (1 = Ogg/Opus audio)")
                 continue
             pcm = self._decode(payload)

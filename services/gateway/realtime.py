@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -194,6 +195,20 @@ def parse_event(message: str) -> dict:
     return event
 
 
+# Refusals a client should retry later (close 1013), not give up on.
+RETRY_LATER = ("resource_exhausted", "server_shutting_down")
+
+
+def admission_error(pool) -> PipelineError | None:
+    """Why no session can be opened now, before trying any cell (None: some cell admits)."""
+    state = pool.admission_state()
+    if state == "down":
+        return PipelineError("runtime_open_failed", "no cell is serving (every cell has a stage down)")
+    if state == "draining":
+        return PipelineError("server_shutting_down", "every cell is draining (shutting down): retry in a few seconds")
+    return None
+
+
 def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> dict:
     """What this deployment really does, from the polled capacity of the serving cells."""
     caps = {
@@ -251,6 +266,7 @@ class RealtimeSession:
         self._bg: set[asyncio.Task] = set()
         self._slow_client = False
         self._assembler = audio.FrameAssembler()
+        self._connected_at = self._audio_at = time.monotonic()
 
     # ---- outbound -------------------------------------------------------------
 
@@ -301,8 +317,11 @@ class RealtimeSession:
             if not self._ended.is_set():
                 reader = asyncio.create_task(self._read_loop())
                 ended = asyncio.create_task(self._ended.wait())
+                idle = asyncio.create_task(self._idle_watch())
                 await asyncio.wait({reader, ended, writer}, return_when=asyncio.FIRST_COMPLETED)
                 ended.cancel()
+                idle.cancel()
+                await asyncio.gather(idle, return_exceptions=True)
         finally:
             if reader is not None:
                 reader.cancel()
@@ -323,6 +342,31 @@ class RealtimeSession:
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
         await self.ws.close(self._close_code, self._close_reason)
+
+    async def _idle_watch(self) -> None:
+        """End a connection that opens no session, or a session that appends no audio, for too long
+        (operator-set; 0 = never): either holds resources a live client would be using."""
+        limits = [t for t in (self.cfg.idle_connection_timeout_s, self.cfg.idle_session_timeout_s) if t > 0]
+        if not limits:
+            return
+        while not self.st.closing:
+            await asyncio.sleep(min(1.0, min(limits) / 4))
+            if self.st.pipeline is None:
+                limit, since, what = self.cfg.idle_connection_timeout_s, self._connected_at, "no session was opened"
+            else:
+                limit, since, what = self.cfg.idle_session_timeout_s, self._audio_at, "no audio was appended"
+            if limit > 0 and time.monotonic() - since > limit and not self.st.closing:
+                await self._end_idle(f"{what} for {limit:g} s")
+                return
+
+    async def _end_idle(self, why: str) -> None:
+        self.st.closing = True
+        self.emit_error("invalid_request_error", "idle_timeout", f"{why}: the connection is closed")
+        if self.st.pipeline is not None:
+            await self._release(graceful=False)
+            self._emit_done_and_closed("cancelled")
+        self._close_code, self._close_reason = 1008, "idle timeout"
+        self._ended.set()
 
     async def _read_loop(self) -> None:
         async for message in self.ws:
@@ -407,13 +451,11 @@ class RealtimeSession:
             self.ctx.metrics.sessions_refused.labels("realtime", e.code).inc()
             self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
             if not e.client_fault:
-                self._close_code, self._close_reason = (1013, "try again later") if e.code == "resource_exhausted" else (1011, "runtime open failed")
-                self._ended.set()
+                self._end_refused(e)
             return False
         self.st.settings = settings
-        self.st.pipeline = pipeline
+        self._adopt(pipeline)
         self.ctx.metrics.sessions_opened.labels("realtime").inc()
-        self.ctx.metrics.sessions_active.labels("realtime").inc()
         log.info("session %s open on cell %s (voice=%r, prefill %d frames in %.0f ms)", self.session_id, pipeline.cell.name,
                  settings.voice, pipeline.ready.prefill_frames, pipeline.ready.prefill_ms)
         self.emit({"type": "session.created", "session": self._session_object()})
@@ -425,13 +467,23 @@ class RealtimeSession:
         if prefer is not None:
             cells = [prefer] + [c for c in cells if c is not prefer]
         params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", settings.voice, settings.instructions, settings.sampling())  # noqa: E731
-        if not self.ctx.pool.healthy():
-            raise PipelineError("runtime_open_failed", "no cell is serving (every cell has a stage down)")
-        p = await open_on_cells(cells, params, open_timeout_s=self.cfg.open_timeout_s, stall_timeout_s=self.cfg.stall_timeout_s,
-                                cleanup_timeout_s=self.cfg.cleanup_timeout_s)
+        if (refusal := admission_error(self.ctx.pool)) is not None:
+            raise refusal
+        return await open_on_cells(cells, params, open_timeout_s=self.cfg.open_timeout_s, stall_timeout_s=self.cfg.stall_timeout_s,
+                                   cleanup_timeout_s=self.cfg.cleanup_timeout_s)
+
+    def _adopt(self, p: Pipeline) -> None:
+        """The session holds `p` now: it counts in the active gauge until `_retire` or `_release` lets it go."""
         p.on_output = self._on_output
         p.on_error = self._on_pipeline_error
-        return p
+        self.st.pipeline = p
+        self._audio_at = time.monotonic()  # the no-audio clock starts at open
+        self.ctx.metrics.sessions_active.labels("realtime").inc()
+
+    def _end_refused(self, e: PipelineError) -> None:
+        """No session after a refusal that is not the client's fault: close (1013 = retry later)."""
+        self._close_code, self._close_reason = (1013, "try again later") if e.code in RETRY_LATER else (1011, "runtime open failed")
+        self._ended.set()
 
     async def _on_session_update(self, event: dict) -> None:
         if self.st.closing:
@@ -445,27 +497,50 @@ class RealtimeSession:
         if self.st.audio_started:
             if new.runtime_key() != old.runtime_key() or new.input_format != old.input_format or new.legacy_event_names != old.legacy_event_names:
                 raise ClientError("session_locked", "voice, instructions, sampling, audio format and event names are fixed once audio has been appended", "session")
-        elif new.runtime_key() != old.runtime_key():
-            # Nothing was said yet: redo the prompt prefill with the new persona on the same cell.
-            cell = self.st.pipeline.cell
-            old_p, self.st.pipeline = self.st.pipeline, None
-            await self._retire(old_p)
-            try:
-                self.st.pipeline = await self._open_pipeline(new, prefer=cell)
-            except PipelineError as e:
-                self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
-                if e.client_fault:  # keep the session usable with its previous settings
-                    self.st.pipeline = await self._open_pipeline(old, prefer=cell)
-                    return
-                self._close_code, self._close_reason = 1011, "runtime reopen failed"
-                self._ended.set()
-                return
+        elif new.runtime_key() != old.runtime_key() and not await self._reopen(new, client_event_id):
+            return
         self.st.settings = new
         self.emit({"type": "session.updated", "session": self._session_object()})
 
-    async def _retire(self, p: Pipeline) -> None:
-        if not await p.abort():
-            self.ctx.metrics.cleanup_unconfirmed.inc()
+    async def _reopen(self, new: SessionSettings, client_event_id: str | None) -> bool:
+        """Nothing was said yet: redo the prompt prefill with the new settings (same cell first).
+        True when the new settings are live. On refusal the client gets the typed error and then:
+
+        - its old session, untouched, when the new one is refused while the old one is still held
+          (settings the talker refuses, every cell draining, a stage down): stages judge settings
+          before they take a slot, so this is tried beside the old session first;
+        - a clearly closed session (session.closed, close 1013 or 1011) when every cell was full:
+          the old slot is given up for the new settings, and another client may take it first."""
+        cell = self.st.pipeline.cell
+        try:
+            p = await self._open_pipeline(new, prefer=cell)
+        except PipelineError as e:
+            if e.code != "resource_exhausted":
+                self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
+                return False
+            p = None
+        await self._retire()
+        if p is not None:
+            self._adopt(p)
+            return True
+        try:  # the cell was full: its slot is ours again only if nobody takes it first
+            self._adopt(await self._open_pipeline(new, prefer=cell))
+            return True
+        except PipelineError as e:
+            self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
+            self.st.closing = True
+            self._emit_done_and_closed("failed")
+            self._end_refused(e)
+            return False
+
+    async def _retire(self) -> None:
+        """Let the current pipeline go (before a reopen)."""
+        p, self.st.pipeline = self.st.pipeline, None
+        try:
+            if not await p.abort():
+                self.ctx.metrics.cleanup_unconfirmed.inc()
+        finally:
+            self.ctx.metrics.sessions_active.labels("realtime").dec()
 
     async def _on_heartbeat(self, event: dict) -> None:
         ack = {"type": "session.heartbeat_ack"}
@@ -476,6 +551,7 @@ class RealtimeSession:
     # ---- input ------------------------------------------------------------------
 
     async def _on_append(self, event: dict) -> None:
+        self._audio_at = time.monotonic()  # a live client, even if this packet is refused
         p = self.st.pipeline
         if p is None:
             raise ClientError("session_not_started", "send session.update (or connect with ?model=) before appending audio", "type")

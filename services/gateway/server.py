@@ -2,7 +2,8 @@
 
     /v1/realtime   WebSocket: the Realtime duplex wire (realtime.py); query duplex=1|true|on (or absent)
     /api/chat      WebSocket: PersonaPlex's native Ogg/Opus protocol (native.py)
-    /health        200 when every stage of at least one cell is serving, else 503
+    /health        readiness: 200 when some cell is serving and not draining, else 503 (body says why)
+    /health/live   liveness: 200 while the process answers (a cell outage must not restart the gateway)
     /metrics       Prometheus text format
     /              the browser page: files of the static folder (index.html at /)
 """
@@ -108,10 +109,12 @@ class Gateway:
                 return _json(400, {"error": {"type": "invalid_request_error", "code": "bad_request", "message": why}})
             return None  # go on with the WebSocket handshake
         if path == "/health":
-            healthy = self.pool.healthy()
-            body = {"status": "ok" if healthy else "unavailable", **self.pool.capacity_summary(),
+            state = self.pool.admission_state()
+            body = {"status": {"ready": "ok", "draining": "draining", "down": "unavailable"}[state], **self.pool.capacity_summary(),
                     "cell_detail": [c.describe() for c in self.pool.cells.values()]}
-            return _json(200 if healthy else 503, body)
+            return _json(200 if state == "ready" else 503, body)
+        if path == "/health/live":
+            return _json(200, {"status": "alive"})
         if path == "/metrics":
             return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
         return self._static(path)
