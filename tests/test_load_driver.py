@@ -227,10 +227,11 @@ def test_load_mode_passes_against_a_correct_server(tmp_path, capsys):
         # 6 frames paced over ~0.4 s yield 0.4 s of audio: the client RTF is ~1.
         assert 0.7 < row["client_stream_rtf"] < 1.6
         assert row["audio_continuity_ok"] is True and row["audio_underrun_event_count"] is not None
-        # Per-session timelines on the monotonic clock, all on one shared schedule.
+        # Per-session timelines on the monotonic clock, on one shared schedule, session i of 2 offset i/2 period.
         sends = row["input_timeline"]
         assert [s["frame_index"] for s in sends] == list(range(6))
-        assert sends[0]["planned_at_s"] == result["stream_start_s"]
+        assert row["phase_offset_s"] == pytest.approx(row["index"] * FRAME_PERIOD_S / 2)
+        assert sends[0]["planned_at_s"] == result["stream_start_s"] + row["phase_offset_s"]
         assert all(s["send_started_at_s"] >= s["planned_at_s"] for s in sends)
         assert len(row["audio_packet_timeline"]) == 5 and "delta" not in json.dumps(row["audio_packet_timeline"])
     a, b = result["sessions"]
@@ -386,7 +387,7 @@ async def test_pacing_after_a_client_stall_never_bursts(tmp_path):
         result = await run_load(config, pcm)
         await stall_task
     row = result["sessions"][0]
-    starts = [s[1] for s in _sends(row)]
+    starts = [s[2] for s in _sends(row)]
     gaps = np.diff(starts)
     assert len(starts) == 12
     assert gaps.min() >= FRAME_PERIOD_S - RESYNC_S - 0.005, gaps  # never a burst
@@ -404,13 +405,15 @@ async def test_pacing_without_a_stall_follows_the_absolute_schedule():
     for row in result["sessions"]:
         planned = [s[0] for s in _sends(row)]
         assert np.allclose(np.diff(planned), FRAME_PERIOD_S)
-        assert planned[0] == result["stream_start_s"]  # one shared start for every session
-        assert all(started >= plan for plan, started, _ in _sends(row))  # never ahead of the schedule
+        # One shared start for every session, each offset by its share of the period.
+        assert planned[0] == result["stream_start_s"] + row["index"] * FRAME_PERIOD_S / 2
+        assert all(started >= plan for plan, _, started, _ in _sends(row))  # never ahead of the schedule
         assert row["client_send_lateness_ms"]["count"] == 10
 
 
-def _sends(row: dict) -> list[tuple[float, float, float]]:
-    return [(s["planned_at_s"], s["send_started_at_s"], s["send_completed_at_s"]) for s in row["input_timeline"]]
+def _sends(row: dict) -> list[tuple[float, float, float, float]]:
+    return [(s["planned_at_s"], s["target_at_s"], s["send_started_at_s"], s["send_completed_at_s"])
+            for s in row["input_timeline"]]
 
 
 # -- cancellation -----------------------------------------------------------------------------
@@ -534,7 +537,7 @@ def test_linear_p99_interpolates_between_ranks():
 def test_interval_index_is_the_first_maximal_interval():
     # Packets at 0, 80, 300, 380, 600 ms: intervals 80, 220, 80, 220. Interval 0 ends at packet 1.
     times = [0.0, 0.08, 0.30, 0.38, 0.60]
-    metrics = timing_metrics([(0.0, 0.0, 0.0)], times, [3840] * 5)
+    metrics = timing_metrics([(0.0, 0.0, 0.0, 0.0)], times, [3840] * 5)
     ivl = metrics["client_audio_packet_interval_ms"]
     assert ivl["argmax_index"] == 1 and ivl["max"] == pytest.approx(220) and ivl["count"] == 4
     assert ivl["median"] == pytest.approx(150)
@@ -543,7 +546,7 @@ def test_interval_index_is_the_first_maximal_interval():
 
 def test_first_audio_rtf_and_lateness_definitions():
     # Sends planned at 1.00 and 1.08, started 1.01 and 1.07 (early clips to 0 lateness).
-    sends = [(1.00, 1.01, 1.015), (1.08, 1.07, 1.075)]
+    sends = [(1.00, 1.00, 1.01, 1.015), (1.08, 1.08, 1.07, 1.075)]
     metrics = timing_metrics(sends, [1.31, 1.41], [3840, 3840])  # 2 x 80 ms of PCM16
     assert metrics["client_first_audio_after_stream_start_ms"] == pytest.approx(300)
     assert metrics["client_stream_rtf"] == pytest.approx((1.41 - 1.01) / 0.16)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,12 @@ FRAME_SAMPLES = 1_920  # one 80 ms model frame
 FRAME_PERIOD_S = FRAME_SAMPLES / SAMPLE_RATE_HZ  # 0.08
 # Continuity: the player-starvation budget of the shared continuity helper (100 ms).
 UNDERRUN_THRESHOLD_S = 0.1
+# Lateness above this re-anchors a session's send schedule (a stall); smaller jitter is absorbed by
+# the absolute schedule. So consecutive sends are never closer than FRAME_PERIOD_S - RESYNC_S.
+RESYNC_S = 0.02
+# `--procs auto`: one driver process per this many sessions, at most one per CPU. One process fell
+# behind at 160 sessions (client real-time factor 1.45: about 110 sessions a core), so 20 leaves headroom.
+SESSIONS_PER_AUTO_PROC = 20
 
 
 class ConfigError(ValueError):
@@ -34,6 +41,7 @@ class DriverConfig:
 
     # Mode: None = lifecycle (admission, slot reuse); N = paced load with N sessions.
     sessions: int | None = None
+    procs: int | str = 1  # load mode: driver processes sharing the sessions, or "auto" (see resolved_procs)
     load_frames: int = 1000  # at most this many input frames per load session (no looping)
     lifecycle_frames: int = 50  # frames per streaming phase of the lifecycle scenario
     capacity: int = 2  # lifecycle: the server's session limit (capacity + 1 must be refused)
@@ -47,6 +55,10 @@ class DriverConfig:
     minimum_audio_chunks: int = 2
     voiced_frame_rms_threshold: float = 1e-3
     max_client_rtf: float | None = None  # optional ceiling; RTF is diagnostic by default
+    # Server bounds of the load verdict (FAIL beyond them).
+    max_underrun_s: float = 0.5  # worst output starvation of any one session
+    # ITU-T G.114's limit for interactive speech is 400 ms one way; the H200 target is 250 ms.
+    max_frame_latency_p99_ms: float = 400.0  # over every frame of every session: input i sent -> output i received
 
     # Reporting.
     output_dir: Path | None = None
@@ -60,6 +72,14 @@ class DriverConfig:
     def mode(self) -> str:
         return "lifecycle" if self.sessions is None else "paced_multi_session"
 
+    def resolved_procs(self) -> int:
+        """Driver processes for this run: `procs`, or for "auto" one per SESSIONS_PER_AUTO_PROC
+        sessions, at most one per CPU."""
+        if self.procs != "auto":
+            return int(self.procs)
+        wanted = math.ceil((self.sessions or 1) / SESSIONS_PER_AUTO_PROC)
+        return max(1, min(wanted, os.cpu_count() or 1))
+
     def validate(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -70,6 +90,10 @@ class DriverConfig:
         if self.sessions is not None:
             check(1 <= self.sessions <= 256, "--sessions must be in [1, 256]")
             check(1 <= self.load_frames <= 100_000, "--load-frames must be in [1, 100000]")
+        if self.procs != "auto":
+            check(isinstance(self.procs, int) and 1 <= self.procs <= 256, "--procs must be auto or in [1, 256]")
+            check(self.procs == 1 or self.sessions is not None, "--procs applies to load mode (--sessions N)")
+            check(self.sessions is None or self.procs <= self.sessions, "--procs must not exceed --sessions")
         check(1 <= self.lifecycle_frames <= 100_000, "--lifecycle-frames must be in [1, 100000]")
         check(2 <= self.capacity <= 256, "--capacity must be in [2, 256]")
         for name in ("drain_s", "timeout_s", "cleanup_timeout_s"):
@@ -85,4 +109,7 @@ class DriverConfig:
         )
         if self.max_client_rtf is not None:
             check(math.isfinite(self.max_client_rtf) and self.max_client_rtf > 0, "--max-client-rtf must be > 0")
+        for name in ("max_underrun_s", "max_frame_latency_p99_ms"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value > 0, f"--{name.replace('_', '-')} must be finite and > 0")
         check(not (self.plot and self.output_dir is None), "--plot needs --output-dir")

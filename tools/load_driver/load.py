@@ -1,26 +1,34 @@
 """Paced multi-session load mode (`--sessions N`).
 
 Every session is admitted (or refused) before any input flows; then all admitted sessions share
-one input start and send one 80 ms frame per period against that absolute schedule. A stalled
+one input start and send one 80 ms frame per period against that absolute schedule, session g of N
+offset by g/N of a period so the sends of many sessions spread over the period. A stalled
 client re-anchors its own schedule instead of bursting to catch up, and the lateness against the
 shared schedule is recorded, so an overloaded client is visible and not mistaken for a fast server.
 After the last frame, a fixed drain window is observed; audio arriving later (during cleanup)
 is excluded. A refused or failed session stays a failed row: it never leaves the denominator.
+
+With `--procs K` this runs in K processes, each on one Shard of the sessions (see procs.py).
+
+Test-only: LOAD_DRIVER_TEST_BURN_MS makes every send loop burn that much CPU after each send (only
+in driver process LOAD_DRIVER_TEST_BURN_PROC when that is set): a real client overload for tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .config import FRAME_PERIOD_S, DriverConfig
+from .config import FRAME_PERIOD_S, RESYNC_S, DriverConfig
 from .input_audio import append_event, frame_count
-from .metrics import timing_metrics
+from .metrics import Send, timing_metrics
 from .session import (
     RealtimeSession,
     SessionLost,
@@ -32,11 +40,38 @@ from .session import (
 )
 from .validate import AcceptanceError, audio_stats, scan_events
 
-# Lateness above this re-anchors a session's schedule (a stall); smaller jitter is absorbed by
-# the absolute schedule. So consecutive sends are never closer than FRAME_PERIOD_S - RESYNC_S.
-RESYNC_S = 0.02
 # Lead time between "all admitted" and the shared first send, so every session sleeps to it.
 START_LEAD_S = 0.05
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Driver process `index` of `count` runs sessions index, index + count, ... (round robin, so
+    each process's sends still spread over the whole period)."""
+
+    index: int = 0
+    count: int = 1
+
+    def sessions(self, total: int) -> range:
+        return range(self.index, total, self.count)
+
+
+def phase_offset_s(index: int, total: int) -> float:
+    """Session `index` of `total` sends at this offset into each 80 ms period."""
+    return index * FRAME_PERIOD_S / total
+
+
+def overload_burn_s(shard: Shard) -> float:
+    """CPU seconds to burn after each send (test-only overload; see the module docstring)."""
+    burn_ms = float(os.environ.get("LOAD_DRIVER_TEST_BURN_MS", "0"))
+    only = os.environ.get("LOAD_DRIVER_TEST_BURN_PROC")
+    return burn_ms / 1000.0 if only is None or int(only) == shard.index else 0.0
+
+
+def burn_cpu(seconds: float) -> None:
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
 
 
 class SessionFailure(RuntimeError):
@@ -56,7 +91,9 @@ class SessionRun:
     cleanup_error: str | None = None
     capabilities: dict[str, Any] | None = None
     expected_errors: int = 0  # error events the driver provoked on purpose (lifecycle's bad append)
-    sends: list[tuple[float, float, float]] = field(default_factory=list)
+    phase_offset_s: float = 0.0
+    driver_proc: int = 0
+    sends: list[Send] = field(default_factory=list)
     stream_start_s: float | None = None
     cutoff_s: float | None = None
     closed: bool = False
@@ -78,7 +115,7 @@ def check_alive(session: RealtimeSession, expected_errors: int = 0) -> None:
 
 
 async def paced_send(
-    run: SessionRun, frames: list[str], epoch: float, timeout_s: float, clock=time.monotonic
+    run: SessionRun, frames: list[str], epoch: float, timeout_s: float, clock=time.monotonic, burn_s: float = 0.0
 ) -> None:
     """Send frame k at epoch + k * 80 ms (+ any re-anchoring after a stall; never a catch-up burst)."""
     shift = 0.0
@@ -92,7 +129,9 @@ async def paced_send(
         if started - target > RESYNC_S:
             shift += started - target  # re-anchor the rest of the schedule to now
         await run.session.send_text(text, timeout_s)
-        run.sends.append((epoch + seq * FRAME_PERIOD_S, started, clock()))
+        run.sends.append((epoch + seq * FRAME_PERIOD_S, target, started, clock()))
+        if burn_s:
+            burn_cpu(burn_s)
 
 
 def check_capabilities(created: dict[str, Any], run: SessionRun) -> None:
@@ -120,6 +159,7 @@ async def drive_session(
     frames: list[str],
     admitted: asyncio.Future[None],
     start: asyncio.Future[float],
+    burn_s: float = 0.0,
 ) -> None:
     """Admission -> shared start -> paced stream -> fixed drain -> bounded cleanup. Never raises
     for a session failure (it is recorded on `run`); cancellation closes the transport and propagates."""
@@ -132,9 +172,8 @@ async def drive_session(
             await admit(run, update, config)
             admitted.set_result(None)
             run.phase = "stream"
-            epoch = await asyncio.shield(start)
-            run.stream_start_s = epoch
-            await paced_send(run, frames, epoch, config.timeout_s)
+            run.stream_start_s = await asyncio.shield(start) + run.phase_offset_s
+            await paced_send(run, frames, run.stream_start_s, config.timeout_s, burn_s=burn_s)
             run.phase = "drain"
             await asyncio.sleep(config.drain_s)
             run.cutoff_s = time.monotonic()
@@ -195,6 +234,9 @@ def session_row(run: SessionRun, config: DriverConfig) -> dict[str, Any]:
     first_audio = timing["client_first_audio_after_stream_start_ms"]
     if first_audio is not None and first_audio < 0:
         error = error or "audio arrived before the first input frame"
+    underrun = timing["audio_underrun_s"]
+    if underrun is not None and underrun > config.max_underrun_s:
+        error = error or f"audio underrun {underrun:.3f} s exceeds {config.max_underrun_s} s"
     rtf = timing["client_stream_rtf"]
     if config.max_client_rtf is not None and rtf is not None and rtf > config.max_client_rtf:
         error = error or f"client_stream_rtf {rtf:.3f} exceeds {config.max_client_rtf}"
@@ -203,6 +245,7 @@ def session_row(run: SessionRun, config: DriverConfig) -> dict[str, Any]:
     response_ids = sorted({p.response_id for p in scan.valid})
     return {
         "index": run.index,
+        "driver_proc": run.driver_proc,
         "session_id": run.session_id,
         "admitted": run.admitted,
         "ok": error is None,
@@ -218,11 +261,12 @@ def session_row(run: SessionRun, config: DriverConfig) -> dict[str, Any]:
         "text_deltas": scan.text_deltas,
         "empty_audio_packets": scan.empty_packets,
         **timing,
+        "phase_offset_s": run.phase_offset_s,
         "stream_start_s": run.stream_start_s,
         "observation_cutoff_s": run.cutoff_s,
         "input_timeline": [
-            {"frame_index": i, "planned_at_s": p, "send_started_at_s": s, "send_completed_at_s": c}
-            for i, (p, s, c) in enumerate(run.sends)
+            {"frame_index": i, "planned_at_s": p, "target_at_s": t, "send_started_at_s": s, "send_completed_at_s": c}
+            for i, (p, t, s, c) in enumerate(run.sends)
         ],
         "audio_packet_timeline": [
             {"event_index": p.event_index, "received_at_s": p.received_at_s, "samples": len(p.pcm) // 2,
@@ -233,37 +277,57 @@ def session_row(run: SessionRun, config: DriverConfig) -> dict[str, Any]:
     }
 
 
+SHARED_RESPONSE_ERROR = "response id shared with another session"
+
+
 def mark_shared_response_ids(rows: list[dict[str, Any]]) -> list[str]:
-    """Response ids seen in more than one session; every session holding one fails."""
+    """Response ids seen in more than one session; every session holding one fails (idempotent, so
+    the merge of several driver processes can mark again across them)."""
     owners: dict[str, int] = {}
     for row in rows:
         for rid in row["response_ids"]:
             owners[rid] = owners.get(rid, 0) + 1
     shared = sorted(rid for rid, count in owners.items() if count > 1)
     for row in rows:
-        if set(row["response_ids"]) & set(shared):
+        if set(row["response_ids"]) & set(shared) and not (row["error"] or "").startswith(SHARED_RESPONSE_ERROR):
             row["ok"] = False
-            row["error"] = "response id shared with another session" + (f"; {row['error']}" if row["error"] else "")
+            row["error"] = SHARED_RESPONSE_ERROR + (f"; {row['error']}" if row["error"] else "")
     return shared
 
 
-async def run_load(config: DriverConfig, pcm: np.ndarray, progress=None) -> dict[str, Any]:
-    """Run N paced sessions; returns the result (see report.load_result for the file layout)."""
-    url = realtime_url(config.url, config.model)
+def new_run(index: int, config: DriverConfig, shard: Shard) -> SessionRun:
+    session = RealtimeSession(realtime_url(config.url, config.model), cleanup_timeout_s=config.cleanup_timeout_s)
+    return SessionRun(index, session, phase_offset_s=phase_offset_s(index, config.sessions or 1),
+                      driver_proc=shard.index)
+
+
+async def own_start() -> float:
+    return time.monotonic() + START_LEAD_S
+
+
+async def run_load(
+    config: DriverConfig,
+    pcm: np.ndarray,
+    progress=None,
+    shard: Shard = Shard(),
+    start_at: Callable[[], Awaitable[float]] = own_start,
+) -> dict[str, Any]:
+    """Run this shard's paced sessions; returns the result (see report.load_result for the file layout).
+
+    start_at is awaited once every session of the shard is admitted or refused; it returns the shared
+    input start (time.monotonic(), which all processes of one host share)."""
     frames = encoded_frames(pcm, config.input_format)
     loop = asyncio.get_running_loop()
     start: asyncio.Future[float] = loop.create_future()
-    runs = [
-        SessionRun(i, RealtimeSession(url, cleanup_timeout_s=config.cleanup_timeout_s))
-        for i in range(config.sessions or 0)
-    ]
+    runs = [new_run(i, config, shard) for i in shard.sessions(config.sessions or 0)]
     gates = [loop.create_future() for _ in runs]
-    tasks = [asyncio.create_task(drive_session(r, config, frames, g, start)) for r, g in zip(runs, gates)]
+    burn_s = overload_burn_s(shard)
+    tasks = [asyncio.create_task(drive_session(r, config, frames, g, start, burn_s)) for r, g in zip(runs, gates)]
     if progress is not None:
         progress.watch(runs, len(frames))
     try:
         await asyncio.gather(*gates)
-        start.set_result(time.monotonic() + START_LEAD_S)
+        start.set_result(await start_at())
         await asyncio.gather(*tasks)
     finally:
         for task in tasks:
@@ -278,5 +342,7 @@ async def run_load(config: DriverConfig, pcm: np.ndarray, progress=None) -> dict
         "stream_start_s": start.result(),
         "capabilities": next((r.capabilities for r in runs if r.capabilities is not None), None),
         "shared_response_ids": shared,
+        "driver_processes": [{"index": shard.index, "pid": os.getpid(), "sessions": [r.index for r in runs],
+                              "exit_code": None, "error": None}],
         "sessions": rows,
     }

@@ -10,8 +10,12 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
+
 from .config import FRAME_PERIOD_S, SAMPLE_RATE_HZ, UNDERRUN_THRESHOLD_S, DriverConfig
+from .metrics import frame_latencies_ms, linear_percentile, own_lateness_s
 from .validate import AUDIO_DELTA_TYPES
+from .verdict import CLIENT_LATENESS_P99_LIMIT_MS, CLIENT_RTF_LIMIT, PASS, judge, row_sends
 
 RESULT_NAME = "load-result.json"
 LIFECYCLE_RESULT_NAME = "lifecycle-result.json"
@@ -109,10 +113,25 @@ def _worst(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> floa
 
 def load_result(config: DriverConfig, identity: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     rows = run["sessions"]
+    judged = judge(rows, run["driver_processes"], config)
+    passed = judged["verdict"] == PASS
     return {
-        "schema_version": 1,
+        "schema_version": 2,
         "mode": "paced_multi_session",
-        "ok": bool(rows) and all(row["ok"] for row in rows),
+        "verdict": judged["verdict"],
+        "passed": passed,
+        "ok": passed,
+        "reasons": judged["reasons"],
+        "summary": judged["summary"],
+        "driver_procs": len(run["driver_processes"]),
+        "driver_processes": run["driver_processes"],
+        "client": judged["client"],
+        "bounds": {
+            "max_underrun_s": config.max_underrun_s,
+            "max_frame_latency_p99_ms": config.max_frame_latency_p99_ms,
+            "client_own_send_lateness_p99_ms": CLIENT_LATENESS_P99_LIMIT_MS,
+            "client_send_rtf": CLIENT_RTF_LIMIT,
+        },
         "requested_sessions": config.sessions,
         "admitted_sessions": sum(row["admitted"] for row in rows),
         "passed_sessions": sum(row["ok"] for row in rows),
@@ -143,6 +162,8 @@ def load_result(config: DriverConfig, identity: dict[str, Any], run: dict[str, A
             "client_stream_rtf": _worst(rows, "client_stream_rtf"),
             "client_audio_packet_interval_p99_ms": _worst(rows, "client_audio_packet_interval_ms", "p99"),
             "client_send_lateness_p99_ms": _worst(rows, "client_send_lateness_ms", "p99"),
+            "client_own_send_lateness_p99_ms": _worst(rows, "client_own_send_lateness_ms", "p99"),
+            "frame_latency_p99_ms": _worst(rows, "frame_latency_ms", "p99"),
             "audio_underrun_s": _worst(rows, "audio_underrun_s"),
         },
         "stream_start_s": run["stream_start_s"],
@@ -169,74 +190,137 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def summary_table(result: dict[str, Any]) -> str:
-    header = ("#", "session", "ok", "in", "out", "voiced", "first ms", "rtf", "ivl p99", "late p99", "underrun s",
-              "error")
+    header = ("#", "proc", "session", "ok", "in", "out", "voiced", "first ms", "lat p99", "ivl p99", "own late p99",
+              "underrun s", "error")
     lines = [header]
     for row in result["sessions"]:
         lines.append((
             _fmt(row["index"]),
+            _fmt(row["driver_proc"]),
             _fmt(row["session_id"])[:20],
             _fmt(row["ok"]),
             _fmt(row["input_frames"]),
             _fmt(row["output_frames"]),
             _fmt(row["voiced_frames"]),
             _fmt(row["client_first_audio_after_stream_start_ms"]),
-            _fmt(row["client_stream_rtf"], 3),
+            _fmt(row["frame_latency_ms"]["p99"]),
             _fmt(row["client_audio_packet_interval_ms"]["p99"]),
-            _fmt(row["client_send_lateness_ms"]["p99"]),
+            _fmt(row["client_own_send_lateness_ms"]["p99"]),
             _fmt(row["audio_underrun_s"], 3),
             _fmt(row["error"])[:70],
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
-    verdict = "PASS" if result["ok"] else "FAIL"
+    summary = result["summary"]
+    latency, first = summary["frame_latency_ms"], summary["first_audio_ms"]
     text.append(
-        f"{verdict}: {result['passed_sessions']}/{result['requested_sessions']} sessions passed "
-        f"({result['admitted_sessions']} admitted); pacing warnings: {result['client_pacing_warning_sessions']}; "
-        f"shared response ids: {len(result['shared_response_ids'])}"
+        f"frame latency p50/p99 {_fmt(latency['p50'])}/{_fmt(latency['p99'])} ms; first audio p50/p99 "
+        f"{_fmt(first['p50'])}/{_fmt(first['p99'])} ms; worst underrun {_fmt(summary['underrun_s']['max'], 3)} s; "
+        f"client own lateness p99 {_fmt(summary['client_own_send_lateness_p99_ms'])} ms, real-time factor "
+        f"{_fmt(summary['client_send_rtf'], 3)}; {result['driver_procs']} driver process(es)"
     )
+    text.append(
+        f"{result['verdict']}: {result['passed_sessions']}/{result['requested_sessions']} sessions passed "
+        f"({result['admitted_sessions']} admitted); shared response ids: {len(result['shared_response_ids'])}"
+    )
+    text.extend(f"  - {reason}" for reason in result["reasons"])
     return "\n".join(text)
 
 
 # -- PNG timeline ---------------------------------------------------------------------------
 
+BAND_QS = (50, 90, 99)
 
-def plot_timeline(result: dict[str, Any], path: Path) -> None:
-    """Per session, against seconds since the shared input start: audio received vs input sent
-    (top) and send lateness (bottom)."""
+
+def _bands(times: np.ndarray, values: np.ndarray, edges: np.ndarray) -> dict[str, list[float]]:
+    """p50/p90/p99/max of the values whose time falls in each bin (NaN for an empty bin)."""
+    bins = np.digitize(times, edges[1:-1])  # bin i holds edges[i] <= t < edges[i + 1]
+    bands: dict[str, list[float]] = {f"p{q}": [] for q in BAND_QS} | {"max": []}
+    for i in range(len(edges) - 1):
+        chosen = values[bins == i].tolist()
+        for q in BAND_QS:
+            bands[f"p{q}"].append(linear_percentile(chosen, q) if chosen else float("nan"))
+        bands["max"].append(max(chosen) if chosen else float("nan"))
+    return bands
+
+
+def _backlog_s(starts: np.ndarray, arrivals: np.ndarray, received_s: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """One session's input audio sent minus output audio received, by each time in `at`."""
+    sent_s = np.searchsorted(starts, at, side="right") * FRAME_PERIOD_S
+    return sent_s - np.concatenate([[0.0], received_s])[np.searchsorted(arrivals, at, side="right")]
+
+
+def timeline_bands(result: dict[str, Any], bin_s: float | None = None) -> dict[str, Any]:
+    """Percentile bands per time bin (seconds since the shared input start), pooled over sessions:
+    frame latency by output arrival, the client's own send lateness by send time, and each session's
+    output backlog (input audio sent - output audio received) at the end of each bin."""
+    t0 = result["stream_start_s"]
+    latency_at, latency_ms, late_at, late_ms, backlog_rows = [], [], [], [], []
+    for row in (r for r in result["sessions"] if r["admitted"] and r["input_timeline"]):
+        sends = row_sends(row)
+        starts = np.array([s[2] for s in sends]) - t0
+        packets = row["audio_packet_timeline"]
+        arrivals = np.array([p["received_at_s"] for p in packets]) - t0
+        samples = np.array([p["samples"] for p in packets])
+        lat = frame_latencies_ms(starts.tolist(), arrivals.tolist(), samples.tolist())
+        latency_at += [start + ms / 1000.0 for start, ms in zip(starts, lat)]
+        latency_ms += lat
+        late_at += starts.tolist()
+        late_ms += [late * 1000.0 for late in own_lateness_s(sends)]
+        backlog_rows.append((starts, arrivals, np.cumsum(samples) / SAMPLE_RATE_HZ))
+    end = max([*latency_at, *late_at, FRAME_PERIOD_S])
+    bin_s = bin_s or max(0.25, end / 200)
+    edges = np.arange(0.0, end + bin_s, bin_s)
+    backlog = np.array([_backlog_s(*arrays, edges[1:]) for arrays in backlog_rows]).reshape(-1, len(edges) - 1)
+    return {
+        "t_s": ((edges[:-1] + edges[1:]) / 2).tolist(),
+        "bin_s": bin_s,
+        "frame_latency_ms": _bands(np.array(latency_at), np.array(latency_ms), edges),
+        "own_send_lateness_ms": _bands(np.array(late_at), np.array(late_ms), edges),
+        "output_backlog_s": {
+            **{f"p{q}": (np.percentile(backlog, q, axis=0) if len(backlog) else np.full(len(edges) - 1, np.nan))
+               .tolist() for q in BAND_QS},
+            "max": (backlog.max(axis=0) if len(backlog) else np.full(len(edges) - 1, np.nan)).tolist(),
+        },
+    }
+
+
+def _draw_bands(ax, t: list[float], bands: dict[str, list[float]], unit: str, color: str) -> None:
+    ax.fill_between(t, bands["p50"], bands["p90"], color=color, alpha=0.45, linewidth=0, label="p50-p90")
+    ax.fill_between(t, bands["p90"], bands["p99"], color=color, alpha=0.2, linewidth=0, label="p90-p99")
+    ax.plot(t, bands["p50"], color=color, linewidth=1.2, label="p50")
+    ax.plot(t, bands["max"], color=color, linewidth=0.7, linestyle=":", label="max")
+    ax.set_ylabel(unit)
+
+
+def plot_timeline(result: dict[str, Any], path: Path) -> list[list[str]]:
+    """Three panels of percentile bands against seconds since the shared input start: frame latency,
+    output backlog per session, the client's own send lateness. Readable at any session count (the
+    legend never lists sessions); returns each panel's legend labels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t0 = result["stream_start_s"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for row in result["sessions"]:
-        label, color = f"#{row['index']}", f"C{row['index'] % 10}"
-        sends = row["input_timeline"]
-        if sends:
-            xs = [s["send_started_at_s"] - t0 for s in sends]
-            top.step(xs, [(i + 1) * FRAME_PERIOD_S for i in range(len(xs))], where="post", linestyle=":",
-                     color=color, label=f"{label} input sent")
-            bottom.plot(xs, [max(0.0, s["send_started_at_s"] - s["planned_at_s"]) * 1000 for s in sends],
-                        color=color, label=label)
-        packets = row["audio_packet_timeline"]
-        if packets:
-            total, ys = 0, []
-            for p in packets:
-                total += p["samples"]
-                ys.append(total / SAMPLE_RATE_HZ)
-            top.step([p["received_at_s"] - t0 for p in packets], ys, where="post", color=color,
-                     label=f"{label} audio received")
-    top.set_ylabel("seconds of audio")
-    top.set_title(f"{result['requested_sessions']} paced sessions ({'PASS' if result['ok'] else 'FAIL'})")
-    if top.get_legend_handles_labels()[0]:
-        top.legend(fontsize="small", ncol=2)
-    bottom.axhline(FRAME_PERIOD_S * 1000, color="red", linestyle="--", linewidth=0.8, label="pacing warning")
-    bottom.set_ylabel("send lateness (ms)")
-    bottom.set_xlabel("seconds since shared input start (client monotonic clock)")
-    bottom.legend(fontsize="small", ncol=2)
+    bands = timeline_bands(result)
+    t = bands["t_s"]
+    fig, (latency, backlog, lateness) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    _draw_bands(latency, t, bands["frame_latency_ms"], "frame latency (ms)", "C0")
+    latency.axhline(result["bounds"]["max_frame_latency_p99_ms"], color="red", linestyle="--", linewidth=0.8,
+                    label="p99 bound")
+    _draw_bands(backlog, t, bands["output_backlog_s"], "input sent - output received (s)", "C2")
+    _draw_bands(lateness, t, bands["own_send_lateness_ms"], "client own send lateness (ms)", "C1")
+    lateness.axhline(CLIENT_LATENESS_P99_LIMIT_MS, color="red", linestyle="--", linewidth=0.8,
+                     label="p99 validity bound")
+    lateness.set_xlabel(f"seconds since shared input start ({bands['bin_s']:.2f} s bins, client monotonic clock)")
+    latency.set_title(f"{result['requested_sessions']} paced sessions over {result['driver_procs']} driver "
+                      f"process(es): {result['verdict']} ({result['passed_sessions']} passed)")
+    labels = []
+    for ax in (latency, backlog, lateness):
+        ax.legend(fontsize="small", loc="upper left", ncol=5)
+        labels.append(ax.get_legend_handles_labels()[1])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return labels

@@ -1,0 +1,222 @@
+"""`--procs K`: the paced load mode spread over K driver processes, merged as if one driver ran it.
+
+Each child is `python -m tools.load_driver` with the same options on one Shard (sessions p, p+K, ...).
+The protocol, over the child's stdin and stdout:
+  1. the child admits its sessions, then prints ADMITTED;
+  2. once every child has, the parent writes one shared input start (time.monotonic(): one clock for
+     every process of the host) to each child's stdin; session g of N starts g/N of a period after it;
+  3. the child streams, drains, closes, writes its result (run_load's) to its --shard-result file
+     and exits 0. If its stdin closes before that (the parent died), it stops and closes its sessions.
+The parent merges the rows (shared response ids are checked across processes too). A child that dies
+or hangs turns its sessions into failed rows and the verdict INVALID (a client-side cause).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import FRAME_PERIOD_S, DriverConfig
+from .input_audio import frame_count
+from .load import Shard, mark_shared_response_ids, new_run, run_load, session_row
+
+ADMITTED = "load_driver:admitted"
+# Lead time between the start being chosen and the first send: covers the pipe and the children's wakeup.
+PROCS_START_LEAD_S = 0.25
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding tools/
+
+
+def config_argv(config: DriverConfig) -> list[str]:
+    """Command-line options that parse back to `config` (None fields left out)."""
+    argv = []
+    for f in fields(DriverConfig):
+        value, flag = getattr(config, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+# -- the child ------------------------------------------------------------------------------
+
+
+async def run_shard(config: DriverConfig, shard: Shard, pcm: np.ndarray) -> dict[str, Any]:
+    """One child's part: run_load on its shard, started by the parent's shared input start."""
+    loop = asyncio.get_running_loop()
+    start: asyncio.Future[float] = loop.create_future()
+    task = asyncio.current_task()
+    finished = False
+
+    def on_parent(line: bytes) -> None:
+        if line.strip() and not start.done():
+            start.set_result(float(line))
+        elif not finished and task is not None:
+            task.cancel()  # stdin closed: the parent is gone
+
+    def read_parent() -> None:
+        # os.read, not sys.stdin: a daemon thread blocked in a buffered read can abort interpreter exit.
+        for line in (_read_line(0), _read_line(0)):
+            loop.call_soon_threadsafe(on_parent, line)
+
+    threading.Thread(target=read_parent, daemon=True, name="parent-link").start()
+
+    async def start_at() -> float:
+        print(ADMITTED, flush=True)
+        return await start
+
+    try:
+        return await run_load(config, pcm, shard=shard, start_at=start_at)
+    finally:
+        finished = True
+
+
+def _read_line(fd: int) -> bytes:
+    """Bytes up to a newline, or b"" at end of file."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return b""
+        line += chunk
+    return line
+
+
+# -- the parent -----------------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    shard: Shard
+    result_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    admitted: bool = False
+    error: str | None = None
+
+
+async def _spawn(child: Child, config: DriverConfig) -> None:
+    options = replace(config, procs=1, output_dir=None, plot=False, progress=False)
+    argv = [*config_argv(options), "--shard", f"{child.shard.index}/{child.shard.count}",
+            "--shard-result", str(child.result_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
+    child.proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tools.load_driver", *argv,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+    )
+
+
+async def _await_admission(child: Child, timeout_s: float) -> None:
+    assert child.proc is not None and child.proc.stdout is not None
+    try:
+        async with asyncio.timeout(timeout_s):
+            while line := await child.proc.stdout.readline():
+                if line.decode(errors="replace").strip() == ADMITTED:
+                    child.admitted = True
+                    return
+            child.error = f"exited with code {await child.proc.wait()} before admission"
+    except TimeoutError:
+        child.error = f"did not finish admission within {timeout_s:.0f} s"
+
+
+async def _await_exit(child: Child, timeout_s: float) -> None:
+    assert child.proc is not None
+    try:
+        code = await asyncio.wait_for(child.proc.wait(), timeout_s)
+    except TimeoutError:
+        child.error = f"did not finish within {timeout_s:.0f} s"
+        return
+    if code != 0:
+        child.error = f"exited with code {code}"
+
+
+async def _stop(child: Child, grace_s: float) -> None:
+    """Interrupt a child still running (it closes its sessions), then kill it after `grace_s`."""
+    proc = child.proc
+    if proc is None:
+        return
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+    if proc.stdin is not None:
+        proc.stdin.close()
+
+
+async def run_procs(config: DriverConfig, procs: int, pcm: np.ndarray, progress=None) -> dict[str, Any]:
+    """Run the load over `procs` child processes; returns run_load's result for all of them, merged."""
+    note = progress.note if progress is not None else (lambda message: None)
+    stream_s = frame_count(pcm) * FRAME_PERIOD_S
+    with tempfile.TemporaryDirectory(prefix="load_driver-") as tmp:
+        children = [Child(Shard(p, procs), Path(tmp) / f"proc-{p}.json") for p in range(procs)]
+        try:
+            for child in children:
+                await _spawn(child, config)
+            await asyncio.gather(*(_await_admission(c, 2 * config.timeout_s + 30) for c in children))
+            start = time.monotonic() + PROCS_START_LEAD_S
+            for child in (c for c in children if c.admitted):
+                assert child.proc is not None and child.proc.stdin is not None
+                child.proc.stdin.write(f"{start!r}\n".encode())
+                await child.proc.stdin.drain()
+            note(f"{sum(c.admitted for c in children)}/{procs} driver processes admitted their sessions; streaming")
+            run_timeout_s = stream_s * 2 + config.drain_s + 2 * config.cleanup_timeout_s + config.timeout_s + 30
+            await asyncio.gather(*(_await_exit(c, run_timeout_s) for c in children if c.admitted))
+        finally:
+            await asyncio.gather(*(_stop(c, 2 * config.cleanup_timeout_s + 5) for c in children))
+        return merge(config, children, start, frame_count(pcm))
+
+
+def merge(config: DriverConfig, children: list[Child], start: float, frames: int) -> dict[str, Any]:
+    """The children's results as one run_load result; a failed child's sessions become failed rows."""
+    rows, processes, capabilities = [], [], None
+    for child in children:
+        part = None
+        if child.error is None:
+            try:
+                part = json.loads(child.result_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                child.error = f"no readable result ({type(exc).__name__})"
+        if part is None:
+            rows += lost_rows(config, child)
+        else:
+            rows += part["sessions"]
+            capabilities = capabilities or part["capabilities"]
+        processes.append({
+            "index": child.shard.index,
+            "pid": child.proc.pid if child.proc is not None else None,
+            "sessions": list(child.shard.sessions(config.sessions or 0)),
+            "exit_code": child.proc.returncode if child.proc is not None else None,
+            "error": child.error,
+        })
+    rows.sort(key=lambda row: row["index"])
+    return {
+        "frames_per_session": frames,
+        "stream_start_s": start,
+        "capabilities": capabilities,
+        "shared_response_ids": mark_shared_response_ids(rows),
+        "driver_processes": processes,
+        "sessions": rows,
+    }
+
+
+def lost_rows(config: DriverConfig, child: Child) -> list[dict[str, Any]]:
+    """Failed rows for the sessions of a child that left no result."""
+    rows = []
+    for index in child.shard.sessions(config.sessions or 0):
+        run = new_run(index, config, child.shard)
+        run.error = f"driver process {child.shard.index} {child.error}"
+        rows.append(session_row(run, config))
+    return rows
