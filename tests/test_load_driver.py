@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,7 @@ class Behavior:
     fault_at: int = 2  # output frame index where a packet fault is injected
     delay_frames: int = 1  # output lags input by this many frames (the model's delay)
     release_delay_s: float = 0.0  # a slot frees this long after its connection ends
+    stall_s: float = 0.0  # output pauses this long before output frame fault_at (then catches up)
 
 
 @dataclass
@@ -140,6 +142,8 @@ class FakeServer:
                         inputs.append(pending[:FRAME_SAMPLES])
                         pending = pending[FRAME_SAMPLES:]
                         out = len(inputs) - 1 - self.behavior.delay_frames
+                        if out == self.behavior.fault_at and self.behavior.stall_s:
+                            await asyncio.sleep(self.behavior.stall_s)
                         if out >= 0:
                             for reply in self._packet(rid, out, inputs[out]):
                                 await ws.send(json.dumps(reply))
@@ -198,10 +202,17 @@ def load_args(server: FakeServer, out: Path, *extra: str, sessions: int = 2, fra
             "--min-voiced-frames", "2", *extra]
 
 
-def run_driver(server: FakeServer, tmp_path: Path, *extra: str, **kw) -> tuple[int, dict]:
+def run_driver(server: FakeServer, tmp_path: Path, *extra: str, rerun_invalid: bool = True, **kw) -> tuple[int, dict]:
+    """`main` on tmp_path/run. A run the client itself invalidated (this shared machine stalled the
+    driver past its 40 ms lateness bound) says nothing about the server: it is rerun, at most twice."""
     out = tmp_path / "run"
-    code = main(load_args(server, out, *extra, **kw))
-    return code, json.loads((out / "load-result.json").read_text())
+    for _ in range(3 if rerun_invalid else 1):
+        shutil.rmtree(out, ignore_errors=True)
+        code = main(load_args(server, out, *extra, **kw))
+        result = json.loads((out / "load-result.json").read_text())
+        if result["verdict"] != "INVALID":
+            break
+    return code, result
 
 
 # -- load mode against correct and faulty servers ---------------------------------------------
@@ -354,7 +365,7 @@ def test_load_frames_bound_the_input_and_the_wav_is_not_looped(tmp_path):
     with fake_server(Behavior(delay_frames=0)) as server:
         code, result = run_driver(server, tmp_path, "--input-wav", str(wav), "--min-voiced-frames", "1",
                                   sessions=1, frames=50)
-        assert server.appends == [3]
+        assert set(server.appends) == {3}
     assert code == 0, result["sessions"][0]["error"]
     assert result["input"]["source"] == "wav" and result["input"]["frames"] == 3
     assert result["sessions"][0]["input_frames"] == 3 and result["sessions"][0]["output_frames"] == 3

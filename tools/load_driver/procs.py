@@ -67,8 +67,12 @@ async def run_shard(config: DriverConfig, shard: Shard, pcm: np.ndarray) -> dict
 
     def read_parent() -> None:
         # os.read, not sys.stdin: a daemon thread blocked in a buffered read can abort interpreter exit.
-        for line in (_read_line(0), _read_line(0)):
-            loop.call_soon_threadsafe(on_parent, line)
+        for _ in range(2):  # the start, then end of file
+            line = _read_line(0)
+            try:
+                loop.call_soon_threadsafe(on_parent, line)
+            except RuntimeError:  # the run is over and its loop closed
+                return
 
     threading.Thread(target=read_parent, daemon=True, name="parent-link").start()
 
