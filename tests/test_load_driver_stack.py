@@ -35,15 +35,19 @@ def driver(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(600)
 def test_two_paced_sessions_on_the_real_stack(stack, tmp_path):
+    """Two driver processes, one session each, merged into one result."""
     out = tmp_path / "n2"
-    proc = driver("--url", stack.gateway.ws_url, "--sessions", "2", "--load-frames", "50", "--drain-s", "3",
-                  "--output-dir", str(out), "--server-revision", "local", "--server-hardware", "cpu")
+    proc = driver("--url", stack.gateway.ws_url, "--sessions", "2", "--procs", "2", "--load-frames", "50",
+                  "--drain-s", "3", "--output-dir", str(out), "--server-revision", "local", "--server-hardware", "cpu")
     assert (out / "load-result.json").exists(), proc.stderr[-3000:]
     result = json.loads((out / "load-result.json").read_text())
     rows = result["sessions"]
     assert proc.returncode == 0, (proc.stdout, [(r["error"], r["server_error_codes"]) for r in rows],
                                   stack.gateway.log_tail(3000))
     assert result["ok"] and result["passed_sessions"] == 2 and result["shared_response_ids"] == []
+    assert result["verdict"] == "PASS" and result["driver_procs"] == 2
+    assert [row["driver_proc"] for row in rows] == [0, 1]
+    assert result["summary"]["frame_latency_ms"]["count"] >= 2 * 46
     assert result["capabilities"]["chunk_period_ms"] == 80
     assert rows[0]["response_ids"] != rows[1]["response_ids"]
     for row in rows:
