@@ -1,7 +1,7 @@
 """The whole stack on this machine: encoder, talker, decoder (one or more cells) and the gateway.
 
     python -m tools.run_stack                       # what `make run` runs: tiny checkpoint, 2 sessions
-    python -m tools.run_stack --checkpoint DIR --sessions 4 --device cuda --port 8000
+    python -m tools.run_stack --checkpoint DIR --sessions 4 --device cuda --port 8000 --gateway-workers auto
 
 Every service is its own process (started with tools.procs). The script waits for each
 to be healthy, prints the URLs, and stops everything on Ctrl-C (SIGTERM, then SIGKILL).
@@ -111,6 +111,7 @@ class Stack:
     codec_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     gateway_env: dict = field(default_factory=dict)
+    gateway_workers: str = "1"  # gateway worker processes on its one port: N or "auto"
     progress: callable = lambda msg: None
     cell_procs: list[CellProcs] = field(default_factory=list)
     gateway: GatewayProcess | None = None
@@ -137,7 +138,8 @@ class Stack:
                     self.progress(f"cell {i}: {stage} serving on {proc.address} ({time.monotonic() - t0:.1f}s)")
             self.progress("starting gateway ...")
             spec = ";".join(c.spec for c in self.cell_procs)
-            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, args=self.gateway_args, env=self.gateway_env)
+            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, env=self.gateway_env,
+                                          args=["--workers", str(self.gateway_workers), *self.gateway_args])
             self.gateway.start()
             self.progress(f"gateway healthy on {self.gateway.http_url}")
         except BaseException:
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--device", default="cpu")
     p.add_argument("--talker-tick-ms", type=float, default=None, help="talker clock period (default: the talker's, 80)")
+    p.add_argument("--gateway-workers", default="1", help="gateway processes on its port: N or 'auto'")
     p.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--stall-timeout 10'")
     a = p.parse_args(argv)
     say = lambda msg: print(f"[run_stack] {msg}", flush=True)  # noqa: E731
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = ensure_checkpoint("tiny", seed=0)
     talker_args = ["--tick-ms", str(a.talker_tick_ms)] if a.talker_tick_ms else []
     stack = Stack(ckpt, sessions=a.sessions, cells=a.cells, device=a.device, port=a.port, host=a.host, progress=say,
-                  talker_args=talker_args, gateway_args=a.gateway_args.split())
+                  talker_args=talker_args, gateway_workers=a.gateway_workers, gateway_args=a.gateway_args.split())
     stopping = False
 
     def on_signal(signum, frame):
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         voices = sorted(x.name for x in (ckpt / "voices").glob("*.pt")) if (ckpt / "voices").is_dir() else []
         print(
             f"""
-PersonaPlex stack is up ({a.cells} cell(s), {a.sessions} session(s) each, checkpoint {ckpt}).
+PersonaPlex stack is up ({a.cells} cell(s), {a.sessions} session(s) each, {a.gateway_workers} gateway worker(s),
+checkpoint {ckpt}).
 
   browser page:   {g.http_url}/
   Realtime wire:  {g.ws_url}

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API_KEY_ENV = "PERSONAPLEX_GATEWAY_API_KEY"
+WORKERS_ENV = "GATEWAY_WORKERS"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,39 @@ def _env_float(name: str, default: float) -> float:
         raise SystemExit(f"environment variable {name}={os.environ[name]!r} is not a number") from None
 
 
+def usable_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
+    """The CPUs this process may use: its affinity mask, capped by the cgroup's CPU quota rounded up
+    (a container limited to 1.5 CPUs gets 2, as Kubernetes rounds a resourceFieldRef)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cpus, math.ceil(quota)) if quota else cpus)
+
+
+def _cgroup_cpu_quota(root: Path) -> float | None:
+    """CPUs allowed by cgroup v2 cpu.max or v1 cpu.cfs_quota_us; None when unlimited or unreadable."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def parse_workers(text: str) -> int:
+    """'auto' -> usable_cpus(); else a positive integer."""
+    if text.strip().lower() == "auto":
+        return usable_cpus()
+    n = int(text)
+    if n < 1:
+        raise ValueError(f"workers must be >= 1 or 'auto', got {text!r}")
+    return n
+
+
 def parse_cells(text: str) -> tuple[CellAddress, ...]:
     """'enc:p,talk:p,dec:p;enc:p,talk:p,dec:p' -> cells."""
     return tuple(CellAddress.parse(c) for c in text.split(";") if c.strip())
@@ -53,6 +89,8 @@ def parse_cells(text: str) -> tuple[CellAddress, ...]:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # Worker processes sharing the port (services/gateway/workers.py); 1 = this process serves alone.
+    workers: int = 1
     # Cells: a static list, or the DNS name of a headless Service whose A records are
     # pods that each run the three stages on the ports below.
     cells: tuple[CellAddress, ...] = ()
@@ -96,6 +134,8 @@ class GatewayConfig:
         d = cls()
         p.add_argument("--host", default=d.host)
         p.add_argument("--port", type=int, default=d.port)
+        p.add_argument("--workers", default=os.environ.get(WORKERS_ENV, str(d.workers)),
+                       help=f"processes serving the port: N or 'auto' (the CPUs it may use); env {WORKERS_ENV}")
         p.add_argument("--cells", default="", help="static cells: 'enc:port,talk:port,dec:port;...'")
         p.add_argument("--cells-file", default=None, help="JSON file: list of {encoder, talker, decoder}")
         p.add_argument("--cells-dns", default=None, help="headless Service name; each address is one cell")
@@ -123,12 +163,17 @@ class GatewayConfig:
                 cells += tuple(CellAddress(c["encoder"], c["talker"], c["decoder"]) for c in json.load(f))
         if not cells and not a.cells_dns:
             p.error("give --cells, --cells-file or --cells-dns")
+        try:
+            workers = parse_workers(a.workers)
+        except ValueError:
+            p.error(f"--workers (or {WORKERS_ENV}) is a positive integer or 'auto', got {a.workers[:40]!r}")
         ports = tuple(int(x) for x in a.dns_ports.split(","))
         if len(ports) != 3:
             p.error("--dns-ports needs three ports")
         return cls(
             host=a.host,
             port=a.port,
+            workers=workers,
             cells=cells,
             cells_dns=a.cells_dns,
             dns_ports=ports,  # type: ignore[arg-type]

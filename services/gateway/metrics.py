@@ -1,6 +1,6 @@
 """The gateway's Prometheus metrics (served at /metrics on the gateway's own port).
 
-    gateway_sessions_active{protocol}               gauge
+    gateway_sessions_active{protocol}               gauge: sessions open now (the HPA signal)
     gateway_sessions_opened_total{protocol}         counter
     gateway_sessions_refused_total{protocol,code}   counter: resource_exhausted, runtime_open_failed, ...
     gateway_frames_in_total                         counter: 1920-sample frames handed to encoders
@@ -10,19 +10,33 @@
     gateway_cleanup_unconfirmed_total               counter: sessions whose streams were not acknowledged closed in time
     gateway_slow_client_cutoffs_total               counter
     gateway_cell_free_slots{cell} / gateway_cell_serving{cell}   gauges from the last capacity poll
+    gateway_worker_websockets_open{worker}          gauge: WebSocket connections a worker holds now
+    gateway_worker_websockets_total{worker}         counter: WebSocket connections a worker took
+
+With `--workers N` (N > 1) every worker writes its values to files in one directory
+(prometheus_client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR set by the supervisor) and
+/metrics, from whichever worker answers, reads them all: counters and histograms add up over
+every worker that ever ran, `gateway_sessions_active` is the sum over live workers (a dead
+worker's part is dropped when the supervisor marks it dead), and the cell gauges are the most
+recent poll of any live worker. `worker` is the worker's index (0..N-1), kept by its restarts.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, worker: int = 0, multiprocess_dir: str | None = None) -> None:
+        """`multiprocess_dir`: render every worker's values from there (the supervisor's directory,
+        which must also be this process's PROMETHEUS_MULTIPROC_DIR); None: this process only."""
+        self.multiprocess_dir = multiprocess_dir
         r = self.registry = CollectorRegistry()
-        self.sessions_active = Gauge("gateway_sessions_active", "Sessions open now", ["protocol"], registry=r)
+        self.sessions_active = Gauge("gateway_sessions_active", "Sessions open now", ["protocol"], registry=r,
+                                     multiprocess_mode="livesum")
         self.sessions_opened = Counter("gateway_sessions_opened_total", "Sessions admitted", ["protocol"], registry=r)
         self.sessions_refused = Counter("gateway_sessions_refused_total", "Sessions refused at open", ["protocol", "code"], registry=r)
         self.frames_in = Counter("gateway_frames_in_total", "Input frames handed to an encoder", registry=r)
@@ -33,8 +47,16 @@ class GatewayMetrics:
         self.errors = Counter("gateway_errors_total", "Errors reported to clients", ["type", "code"], registry=r)
         self.cleanup_unconfirmed = Counter("gateway_cleanup_unconfirmed_total", "Sessions whose stream ends were not acknowledged in time", registry=r)
         self.slow_client_cutoffs = Counter("gateway_slow_client_cutoffs_total", "Clients cut off for not reading", registry=r)
-        self.cell_free = Gauge("gateway_cell_free_slots", "Free session slots per cell (last poll)", ["cell"], registry=r)
-        self.cell_serving = Gauge("gateway_cell_serving", "1 when all three stages of the cell answer", ["cell"], registry=r)
+        recent = "livemostrecent"
+        self.cell_free = Gauge("gateway_cell_free_slots", "Free session slots per cell (last poll)", ["cell"],
+                               registry=r, multiprocess_mode=recent)
+        self.cell_serving = Gauge("gateway_cell_serving", "1 when all three stages of the cell answer", ["cell"],
+                                  registry=r, multiprocess_mode=recent)
+        w = str(worker)
+        self.websockets_open = Gauge("gateway_worker_websockets_open", "WebSocket connections this worker holds now",
+                                     ["worker"], registry=r, multiprocess_mode="livesum").labels(w)
+        self.websockets_taken = Counter("gateway_worker_websockets_total", "WebSocket connections this worker took",
+                                        ["worker"], registry=r).labels(w)
 
     def observe_cells(self, pool) -> None:
         for cell in pool.cells.values():
@@ -42,4 +64,8 @@ class GatewayMetrics:
             self.cell_serving.labels(cell.name).set(1 if cell.serving else 0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return generate_latest(merged)

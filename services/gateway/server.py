@@ -6,14 +6,20 @@
     /health/live   liveness: 200 while the process answers (a cell outage must not restart the gateway)
     /metrics       Prometheus text format
     /              the browser page: files of the static folder (index.html at /)
+
+With `--workers N` each worker process runs one Gateway on its own listening socket of the shared
+port (services/gateway/workers.py): its own cell pool and capacity polls, its own sessions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import mimetypes
+import os
+import signal
 import socket
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
@@ -58,9 +64,14 @@ def _json(status: int, obj: dict) -> Response:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, *, worker: int = 0, listen_socket: socket.socket | None = None,
+                 metrics_dir: str | None = None):
+        """Alone: listens on config.host:port. As worker `worker` of config.workers: serves the
+        supervisor's `listen_socket` and renders /metrics from every worker's `metrics_dir`."""
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.worker = worker
+        self._listen_socket = listen_socket
+        self.metrics = GatewayMetrics(worker, metrics_dir)
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
         self.server: Server | None = None
 
@@ -72,17 +83,19 @@ class Gateway:
     async def start(self) -> None:
         await self.pool.start()
         await self.pool.wait_first_poll()
+        sock = self._listen_socket
+        where = {"sock": sock} if sock else {"host": self.config.host, "port": self.config.port}
         self.server = await serve(
             self._handle,
-            self.config.host,
-            self.config.port,
+            **where,
             process_request=self._process_request,
             max_size=self.config.max_message_bytes,
             max_queue=4,  # received messages waiting for a session's reader: at most 4 x max_size bytes
             server_header="personaplex-gateway",
         )
-        log.info("gateway listening on http://%s:%d (%d cell(s) configured%s)", self.config.host, self.port, len(self.config.cells),
-                 f", DNS {self.config.cells_dns}" if self.config.cells_dns else "")
+        log.info("gateway%s listening on http://%s:%d (%d cell(s) configured%s)",
+                 f" worker {self.worker}" if self.config.workers > 1 else "", self.config.host, self.port,
+                 len(self.config.cells), f", DNS {self.config.cells_dns}" if self.config.cells_dns else "")
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -111,7 +124,8 @@ class Gateway:
         if path == "/health":
             state = self.pool.admission_state()
             body = {"status": {"ready": "ok", "draining": "draining", "down": "unavailable"}[state], **self.pool.capacity_summary(),
-                    "cell_detail": [c.describe() for c in self.pool.cells.values()]}
+                    "cell_detail": [c.describe() for c in self.pool.cells.values()],
+                    "worker": {"index": self.worker, "pid": os.getpid(), "workers": self.config.workers}}
             return _json(200 if state == "ready" else 503, body)
         if path == "/health/live":
             return _json(200, {"status": "alive"})
@@ -152,8 +166,24 @@ class Gateway:
         url = urlsplit(ws.request.path)
         query = dict(parse_qsl(url.query))
         session = RealtimeSession(ws, self, query) if url.path == "/v1/realtime" else NativeSession(ws, self, query)
+        self.metrics.websockets_taken.inc()
+        self.metrics.websockets_open.inc()
         try:
             await session.run()
         except Exception:
             log.exception("session on %s ended with an unexpected error", url.path)
             self.metrics.errors.labels("server_error", "internal").inc()
+        finally:
+            self.metrics.websockets_open.dec()
+
+
+async def serve_until_signalled(gateway: Gateway) -> None:
+    """Start, serve until SIGINT or SIGTERM, then close every session and stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await gateway.start()
+    await stop.wait()
+    log.info("stopping: closing sessions")
+    await gateway.stop()

@@ -1,0 +1,213 @@
+"""`--workers N`: N gateway processes on one port, and the parent process that supervises them.
+
+Sharing the port. The parent binds N listening sockets to the one address with SO_REUSEPORT and hands
+socket i to worker i; the kernel spreads new connections over them by a hash of each connection's
+addresses. Chosen over one socket that every worker accepts from, because asyncio accepts every queued
+connection on one wake-up (a burst of callers would land on whichever worker woke first), and because a
+socket the parent holds outlives its worker: connections queued on it while the worker restarts wait for
+the new one instead of being reset. Linux only (elsewhere SO_REUSEPORT does not balance). Any process of
+the same user could join the port the same way; run the gateway as its own user.
+
+Supervision.
+- SIGTERM or SIGINT: the parent closes its copies of the sockets and forwards SIGTERM to every worker, which
+  closes its sessions as a lone gateway does; the parent exits 0 when all have. A second signal: SIGKILL.
+- A worker that exits while the parent is not stopping is restarted on its socket. Its sessions are gone:
+  their clients see the connection drop, and each stage frees the slots when the worker's gRPC
+  connections close. A crash loop (more than MAX_RESTARTS within RESTART_WINDOW_S) stops every worker and
+  the parent exits 1, so a bad deployment fails loudly instead of spinning.
+- Workers die with the parent: each asks the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG).
+- Metrics: a private PROMETHEUS_MULTIPROC_DIR per start, removed at exit; a dead worker's live gauges
+  (sessions active, its connections) are dropped from the sums at once (mark_process_dead; metrics.py).
+
+Per worker, not per gateway: each worker polls every stage's GetCapacity (N times the polls), and its
+least-loaded ordering counts only its own sessions and admissions. The stage's slot refusal is the
+authority on admission: a worker that picks a cell another worker has just filled is refused there and
+tries the next cell, so no session is admitted twice and a refusal holds no slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+from services.gateway.config import GatewayConfig
+
+log = logging.getLogger("gateway.workers")
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+LISTEN_BACKLOG = 100  # asyncio's create_server default, as a lone gateway listens
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def supervise(config: GatewayConfig) -> int:
+    """Run config.workers gateway workers on config.host:port until signalled; the exit code."""
+    if not sys.platform.startswith("linux"):
+        log.error("--workers %d needs Linux (SO_REUSEPORT balancing); run one worker here", config.workers)
+        return 2
+    try:
+        sockets = _listen(config.host, config.port, config.workers)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
+        return 1
+    metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    os.environ[METRICS_DIR_ENV] = metrics_dir  # the workers inherit it before they import prometheus_client
+    try:
+        return _Supervisor(config, sockets, metrics_dir).run()
+    finally:
+        for s in sockets:
+            s.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _listen(host: str, port: int, n: int) -> list[socket.socket]:
+    """n listening sockets on one address (the first that host resolves to); port 0 picks one port for all."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, type_, proto, _, addr = infos[0]
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(family, type_, proto)
+            sockets.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(addr if len(sockets) == 1 else (addr[0], sockets[0].getsockname()[1], *addr[2:]))
+            s.listen(LISTEN_BACKLOG)
+    except OSError:
+        for s in sockets:
+            s.close()
+        raise
+    return sockets
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class _Supervisor:
+    def __init__(self, config: GatewayConfig, sockets: list[socket.socket], metrics_dir: str):
+        self.config, self.sockets, self.metrics_dir = config, sockets, metrics_dir
+        self.spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of grpc's state is forked
+        self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.restarts: collections.deque[float] = collections.deque()
+        self.signals = 0
+        self.stopping = self.killing = False
+        self.exit_code = 0
+
+    def run(self) -> int:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)  # a signal wakes the wait below at once
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        host, port = self.sockets[0].getsockname()[:2]
+        log.info("gateway: %d workers on http://%s:%d (one SO_REUSEPORT socket each)", len(self.sockets), host, port)
+        for i in range(len(self.sockets)):
+            self._start(i)
+        try:
+            while self.procs:
+                multiprocessing.connection.wait([p.sentinel for p in self.procs.values()] + [wake_r])
+                while True:
+                    try:
+                        if not os.read(wake_r, 64):
+                            break
+                    except BlockingIOError:
+                        break
+                if self.signals >= 2 and not self.killing:
+                    log.warning("second signal: killing the workers")
+                    self.killing = True
+                    self._stop(signal.SIGKILL)
+                elif self.signals and not self.stopping:
+                    log.info("stopping: %d workers close their sessions", len(self.procs))
+                    self._stop(signal.SIGTERM)
+                self._reap()
+        finally:
+            signal.set_wakeup_fd(-1)
+            os.close(wake_r)
+            os.close(wake_w)
+        log.info("gateway stopped")
+        return self.exit_code
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals += 1
+
+    def _start(self, i: int) -> None:
+        p = self.spawn.Process(target=run_worker, name=f"gateway-worker-{i}",
+                               args=(self.config, i, self.sockets[i], self.metrics_dir, os.getpid()))
+        p.start()
+        self.procs[i] = p
+        log.info("worker %d started (pid %d)", i, p.pid)
+
+    def _stop(self, sig: signal.Signals) -> None:
+        if not self.stopping:
+            self.stopping = True
+            for s in self.sockets:
+                s.close()  # the workers hold their own copies until they stop listening
+        for p in self.procs.values():
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _reap(self) -> None:
+        from prometheus_client.multiprocess import mark_process_dead
+
+        for i, p in list(self.procs.items()):
+            if p.exitcode is None:
+                continue
+            p.join()
+            del self.procs[i]
+            mark_process_dead(p.pid, self.metrics_dir)
+            if self.stopping:
+                log.info("worker %d (pid %d) %s", i, p.pid, _exit_reason(p.exitcode))
+            else:
+                self._crashed(i, p)
+
+    def _crashed(self, i: int, p) -> None:
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+            self.restarts.popleft()
+        if len(self.restarts) >= MAX_RESTARTS:
+            log.critical("worker %d (pid %d) %s: %d restarts within %.0f s, stopping the gateway",
+                         i, p.pid, _exit_reason(p.exitcode), len(self.restarts), RESTART_WINDOW_S)
+            self.exit_code = 1
+            self._stop(signal.SIGTERM)
+            return
+        self.restarts.append(now)
+        log.error("worker %d (pid %d) %s; its sessions are lost; restarting it", i, p.pid, _exit_reason(p.exitcode))
+        self._start(i)
+
+
+def run_worker(config: GatewayConfig, index: int, sock: socket.socket, metrics_dir: str, parent_pid: int) -> None:
+    """One worker process: a Gateway on the parent's socket until SIGTERM/SIGINT."""
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s gateway[w{index}] %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+    if os.environ.get(METRICS_DIR_ENV) != metrics_dir:
+        raise SystemExit(f"worker {index}: {METRICS_DIR_ENV} is not the supervisor's {metrics_dir}")
+    from services.gateway.server import Gateway, serve_until_signalled
+
+    asyncio.run(serve_until_signalled(Gateway(config, worker=index, listen_socket=sock, metrics_dir=metrics_dir)))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGTERM (so this worker closes its sessions) when the parent dies; exit now if it already has."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        raise SystemExit("the gateway supervisor is gone")
