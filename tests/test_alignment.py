@@ -1,5 +1,5 @@
-"""How the talker matches NVIDIA's reference server: the two live-step timings of the engine (services/talker/engine.py module doc), on the tiny
-checkpoint, greedy:
+"""How the talker matches NVIDIA's reference server, on the tiny checkpoint, greedy. The two live-step
+timings of the engine (services/talker/engine.py module doc):
 
 - "personaplex" (NVIDIA's fork, the default): user frame j is written to column F+j and read at
   step j+1; step 0 returns the prompt's last frame; N inputs give N outputs; attention over C-1.

@@ -5,6 +5,7 @@ A checkpoint directory holds (names as published):
     tokenizer-e351c8d8-checkpoint125.safetensors   the Mimi codec
     tokenizer_spm_32k_3.model                      the SentencePiece text tokenizer
     voices/*.pt                                    precomputed voice prompts
+    voices/*.wav (.flac, .mp3, .ogg)               voice audio, recorded by the talker on first use
     config.json                                    minimal in the release
 
 The published config.json says nothing about shapes (the reference loader
@@ -16,12 +17,13 @@ read as the full published model. Random checkpoints made by
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from services.common import voice_names
 
 LM_FILE = "model.safetensors"
 MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
@@ -30,7 +32,6 @@ VOICES_DIR = "voices"
 CONFIG_FILE = "config.json"
 CONFIG_SECTION = "personaplex_serve"
 
-_VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}\.pt$")
 
 
 class CheckpointError(Exception):
@@ -38,7 +39,7 @@ class CheckpointError(Exception):
 
 
 class InvalidVoice(ValueError):
-    """A client named a voice that is not a bundled basename (path, '..', not .pt, unknown)."""
+    """A voice that cannot be used: not a bundled basename (path, '..', unknown), or a bad voice file."""
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,13 @@ class CheckpointPaths:
     def voice_names(self) -> list[str]:
         if not self.voices_dir.is_dir():
             return []
-        return sorted(p.name for p in self.voices_dir.glob("*.pt") if _VOICE_NAME.match(p.name))
+        return sorted(p.name for p in self.voices_dir.iterdir() if p.is_file() and voice_names.is_bundled(p.name))
 
     def resolve_voice(self, name: str) -> Path:
         """A client's voice name -> the bundled file. Only basenames are ever accepted."""
-        if not isinstance(name, str) or not _VOICE_NAME.match(name):
-            raise InvalidVoice(
-                f"voice {name!r} is not a bundled voice basename (letters, digits, '_' or '-', ending in .pt)"
-            )
+        if not voice_names.is_bundled(name):
+            raise InvalidVoice(f"voice {str(name)[:80]!r} is not a bundled voice basename (letters, digits, '_' or '-', "
+                               f"ending in .pt or an audio suffix: {', '.join(voice_names.AUDIO_SUFFIXES)})")
         path = self.voices_dir / name
         if not path.is_file():
             raise InvalidVoice(f"voice {name!r} is not bundled; available: {', '.join(self.voice_names()) or 'none'}")

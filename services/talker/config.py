@@ -7,7 +7,9 @@ Precedence: dataclass default < environment (TALKER_<FIELD>, e.g. TALKER_SLOTS=8
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -77,6 +79,10 @@ class TalkerConfig:
     # start instead of by the first session that asks for one. Each costs its frames of KV (about
     # 0.27 MB per frame at full size, fp8) for the life of the process.
     preload_voices: str = ""
+    # Voices recorded from audio (voices/*.wav or audio shipped with an open) are kept here as .pt,
+    # named by a digest of the audio and the model files ("" = personaplex-voices in the temp dir).
+    voice_cache_dir: str = ""
+    max_voice_seconds: float = 60.0  # longer voice audio is INVALID_ARGUMENT (bad_voice)
     drain_deadline_s: float = 30.0  # SIGTERM: how long live sessions may continue
     # torch intra-op threads. 1 by default: the stages share a machine's cores, and several
     # processes each spinning torch's default thread pool slow one another down many times over.
@@ -114,12 +120,20 @@ class TalkerConfig:
             raise ValueError(f"prefill_chunk_frames must be >= 1, got {self.prefill_chunk_frames}")
         if not 0.0 <= self.prefill_overrun_ms < self.tick_ms:
             raise ValueError(f"prefill_overrun_ms must be in [0, tick_ms), got {self.prefill_overrun_ms}")
+        if not 0.5 <= self.max_voice_seconds <= 600.0:
+            raise ValueError(f"max_voice_seconds must be in [0.5, 600], got {self.max_voice_seconds}")
         if self.max_persona_chars < 1:
             raise ValueError(f"max_persona_chars must be >= 1, got {self.max_persona_chars}")
 
     @property
     def voices_to_preload(self) -> tuple[str, ...]:
         return tuple(v.strip() for v in self.preload_voices.split(",") if v.strip())
+
+    @property
+    def voice_cache_path(self) -> Path:
+        if self.voice_cache_dir:
+            return Path(self.voice_cache_dir)
+        return Path(tempfile.gettempdir()) / "personaplex-voices"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common import voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.text import InvalidText, TextTokenizer
 from services.talker import prompt
@@ -283,6 +284,10 @@ class TalkerEngine:
         self._live = [False] * slots
         self._jobs: list[PrefillJob | None] = [None] * slots
         self._voice_files: dict[str, VoicePrompt] = dict(voices or {})
+        # Voices recorded from audio (add_voice), least recently used first; at most max_added_voices
+        # are kept (each holds its KV prefix on the device once used).
+        self._added: list[str] = []
+        self.max_added_voices = 16
         if cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
         self.cuda_graph = cuda_graph
@@ -597,7 +602,13 @@ class TalkerEngine:
     def _voice_prefix(self, name: str) -> _VoicePrefix:
         if not isinstance(name, str):
             raise InvalidVoice(f"voice must be a bundled basename string, got {type(name).__name__}")
+        if name in self._added:  # most recently used last
+            self._added.remove(name)
+            self._added.append(name)
         if name not in self._voice_files:
+            if voice_names.is_bundled(name) and voice_names.is_audio(name):
+                raise InvalidVoice(f"voice {name[:80]!r} is not recorded on this talker (audio voices are recorded "
+                                   f"by its VoiceRecorder before a session begins)")
             if self.paths is None:
                 raise InvalidVoice(f"voice {name!r} is not available (no checkpoint directory)")
             path = self.paths.resolve_voice(name)  # InvalidVoice for anything but a bundled basename
@@ -606,6 +617,24 @@ class TalkerEngine:
         if name not in self._voice_kv:
             self._voice_kv[name] = _VoicePrefix(self, self._voice_files[name])
         return self._voice_kv[name]
+
+    def add_voice(self, key: str, voice: VoicePrompt) -> None:
+        """Make a voice recorded from audio available to begin() as `key` (call on the engine's thread).
+        Beyond max_added_voices the least recently begun one is forgotten; a prefill already running
+        with it keeps its own reference, so no session notices."""
+        if key in self._added:
+            self._added.remove(key)
+        self._added.append(key)
+        self._voice_files[key] = voice
+        self._voice_kv.pop(key, None)  # a new recording under an old key: its KV is computed afresh
+        while len(self._added) > self.max_added_voices:
+            old = self._added.pop(0)
+            self._voice_files.pop(old, None)
+            self._voice_kv.pop(old, None)
+
+    def has_voice(self, key: str) -> bool:
+        """Whether begin() can use `key` without reading a file (added, preloaded or loaded already)."""
+        return key in self._voice_files
 
     def _copy_voice_kv(self, slot: int, prefix: _VoicePrefix) -> None:
         self.kv.copy_slot(prefix.kv, 0, slot, src_length=prefix.done)

@@ -31,8 +31,10 @@ import secrets
 import time
 
 import grpc
+import numpy as np
 
 from duplex.v1 import talker_pb2, talker_pb2_grpc
+from services.common import voice_audio, voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.errors import Internal, InvalidArgument, StageError, Unavailable
 from services.common.link import serve_link
@@ -40,6 +42,7 @@ from services.common.stage_server import StageRpcs, StageRuntime, StageServer, f
 from services.talker.config import TalkerConfig
 from services.talker.metrics import TalkerMetrics
 from services.talker.scheduler import END, ConversationClock, Output, Ready, Session
+from services.talker.voice_recorder import VoiceRecorder
 
 log = logging.getLogger("talker")
 
@@ -85,6 +88,28 @@ def parse_persona(text: str, max_chars: int) -> str:
     return text
 
 
+def parse_voice(name: str, audio: bytes, paths: CheckpointPaths, max_seconds: float):
+    """None, a bundled basename, or (enrolled name, float32 samples) for audio shipped with the open."""
+    if audio:
+        if not voice_names.is_enrolled(name):
+            raise InvalidArgument(f"voice_audio needs an enrolled voice name ([A-Za-z0-9_-]{{1,64}}), got "
+                                  f"{name[:80]!r}", kind="bad_voice")
+        if len(audio) % 4 or len(audio) > max_seconds * voice_audio.SAMPLE_RATE * 4:
+            raise InvalidArgument(f"voice_audio must be float32 samples of at most {max_seconds:g} s at 24 kHz, "
+                                  f"got {len(audio)} bytes", kind="bad_voice")
+        pcm = np.frombuffer(audio, dtype="<f4").astype(np.float32)
+        if not np.isfinite(pcm).all():
+            raise InvalidArgument("voice_audio holds non-finite samples", kind="bad_voice")
+        return name, pcm
+    if not name:
+        return None
+    try:
+        paths.resolve_voice(name)
+    except InvalidVoice as e:
+        raise InvalidArgument(str(e), kind="bad_voice") from None
+    return name
+
+
 def parse_codes(frame) -> list[int]:
     codes = list(frame.codes)
     if len(codes) != CODEBOOKS:
@@ -121,8 +146,9 @@ def to_response(item: Ready | Output) -> talker_pb2.TalkResponse:
 
 class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
     def __init__(self, runtime: StageRuntime, clock: ConversationClock, paths: CheckpointPaths, config: TalkerConfig,
-                 text_card: int, card: int):
+                 text_card: int, card: int, recorder):
         self.runtime = runtime
+        self.recorder = recorder
         self.clock = clock
         self.paths = paths
         self.config = config
@@ -136,12 +162,7 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
             raise InvalidArgument("the first message of a Talk stream must be `open`", kind="no_open")
         o = req.open
         validate_stream_id(o.stream.stream_id)
-        voice = o.voice or None
-        if voice is not None:
-            try:
-                self.paths.resolve_voice(voice)
-            except InvalidVoice as e:
-                raise InvalidArgument(str(e), kind="bad_voice") from None
+        voice = parse_voice(o.voice, o.voice_audio, self.paths, self.config.max_voice_seconds)
         persona = parse_persona(o.persona, self.config.max_persona_chars)
         sampling, seed = parse_sampling(o.sampling, self.text_card, self.card)
         return o.stream.stream_id, voice, persona, sampling, seed
@@ -149,6 +170,7 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
     async def Talk(self, request_iterator, context):
         async with self.runtime.guard(context):
             stream_id, voice, persona, sampling, seed = self._parse_open(await context.read())
+            voice = await self._record_voice(voice)
         handle = session = reader = None
         reason = "error"
         async with self.runtime.guard(context, stream_id):
@@ -180,6 +202,14 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
                     self.clock.close(session)
                 if handle is not None:
                     self.runtime.close_stream(handle, reason)
+
+    async def _record_voice(self, voice):
+        """The engine's key for the open's voice, recorded first if it is audio (voice_recorder.py)."""
+        name, pcm = voice if isinstance(voice, tuple) else (voice, None)
+        try:
+            return await self.recorder.resolve(name, pcm)
+        except InvalidVoice as e:
+            raise InvalidArgument(f"voice {name[:64]!r}: {e}", kind="bad_voice") from None
 
     async def TalkLink(self, request_iterator, context):
         await serve_link(self.runtime, context, talker_pb2.TalkLinkResponse, lambda port: self.Talk(None, port))
@@ -265,7 +295,10 @@ class TalkerService:
                         "frames from its first frame; what the model says is meaningless", self.engine.context)
             self.engine.bench_full_context = True
         voices = cfg.voices_to_preload
+        recorder = VoiceRecorder(paths, self.engine, self.clock.compute, cfg.voice_cache_path, cfg.max_voice_seconds)
         try:
+            for name in voices:
+                await recorder.resolve(name)  # audio voices are recorded (or read from the cache) first
             await self.clock.compute(lambda: self.engine.warmup(voices))
         except InvalidVoice as e:
             raise ValueError(f"talker config: preload_voices: {e}") from None
@@ -273,7 +306,7 @@ class TalkerService:
                  f" (voices preloaded: {', '.join(voices)})" if voices else "")
         servicer = TalkerServicer(runtime, self.clock, paths, cfg,
                                   text_card=getattr(self.engine, "text_card", 32000),
-                                  card=getattr(self.engine, "card", CARD))
+                                  card=getattr(self.engine, "card", CARD), recorder=recorder)
         self.server = StageServer(
             runtime,
             register=lambda s: talker_pb2_grpc.add_TalkerServicer_to_server(servicer, s),
