@@ -452,10 +452,13 @@ async def test_cancellation_closes_transports_and_propagates():
         assert server.live == 0 and server.closed_connections == 2
 
 
-def test_ctrl_c_on_the_command_line_exits_130_and_closes(tmp_path):
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_ctrl_c_on_the_command_line_exits_130_and_closes(tmp_path, procs):
+    """SIGINT to the driver alone (not its process group): with --procs 2 it interrupts its children."""
     with fake_server() as server:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.load_driver", *load_args(server, tmp_path / "run", frames=500)],
+            [sys.executable, "-m", "tools.load_driver", "--procs", procs,
+             *load_args(server, tmp_path / "run", frames=500)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
