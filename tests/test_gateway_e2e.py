@@ -399,7 +399,8 @@ async def test_zz_draining_cell_gets_no_new_session(stack):
     from duplex.v1 import common_pb2, encoder_pb2_grpc
 
     with grpc.insecure_channel(stack.cell_procs[0].encoder.address) as ch:
-        encoder_pb2_grpc.EncoderStub(ch).Drain(common_pb2.DrainRequest(deadline_s=0), timeout=10)
+        encoder_pb2_grpc.EncoderStub(ch).Drain(common_pb2.DrainRequest(deadline_s=0), timeout=10,
+                                               metadata=(("authorization", f"Bearer {stack.admin_token}"),))
     await asyncio.sleep(1.0)  # the next capacity poll sees `draining`
     status, body, _ = http_get(stack.gateway.http_url + "/health")
     assert status == 503 and json.loads(body)["status"] == "draining" and json.loads(body)["cell_detail"][0]["draining"] is True

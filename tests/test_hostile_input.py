@@ -11,6 +11,7 @@ decoder and gateway processes; two slots) and shows the fix:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import socket
 import threading
@@ -465,4 +466,67 @@ def test_idle_connection_session_and_chat_are_closed_and_slots_come_back(stack, 
         assert e.value.rcvd.code == 1008 and 1.4 < time.monotonic() - t0 < 6
         assert msgs[-1][0] == 5 and msgs[-1][1:].startswith(b"idle_timeout:"), msgs[-1:]
     feeder.check_alive(1)
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- row 6 and risk 9: stage ports, Drain, readiness -------------------------------------------------
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses with a listening TCP socket on `port` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hexport = local.rsplit(":", 1)
+                if state == "0A" and int(hexport, 16) == port:  # 32-bit words in host (little-endian) order
+                    raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
+                    ip = ipaddress.ip_address(raw)
+                    found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return found
+
+
+def test_stage_ports_listen_on_loopback_only(stack):
+    """The probe found the encoder and decoder (gRPC and metrics) on every interface."""
+    for cell in stack.cell_procs:
+        for proc in cell.all():
+            for port in (proc.port, proc.metrics_port):
+                assert listening_addresses(port) == {"127.0.0.1"}, (proc.module, port, listening_addresses(port))
+
+
+def test_drain_needs_the_token_and_can_be_cancelled_and_readiness_follows(stack, feeder, baseline):
+    """`Drain(deadline_s=1e-6)` without the token (the probe's attack) is UNAUTHENTICATED and the
+    feeder goes on. With it, the gateway's /health turns 503 "draining" (liveness stays 200) and a
+    new session is refused with `server_shutting_down` (close 1013), not `resource_exhausted`.
+    Drain(cancel=true) brings readiness and admission back."""
+    import grpc
+
+    from duplex.v1 import common_pb2, decoder_pb2_grpc
+
+    health = stack.gateway.http_url + "/health"
+    with grpc.insecure_channel(stack.cell_procs[0].decoder.address) as ch:
+        stub = decoder_pb2_grpc.DecoderStub(ch)
+        for md in ((), (("authorization", "Bearer guess"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Drain(common_pb2.DrainRequest(deadline_s=1e-6), timeout=10, metadata=md)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        feeder.check_alive(2)
+        admin = (("authorization", f"Bearer {stack.admin_token}"),)
+        stub.Drain(common_pb2.DrainRequest(deadline_s=0), timeout=10, metadata=admin)
+        try:
+            assert wait_until(lambda: http_get(health)[0] == 503, 10), http_get(health)
+            assert json.loads(http_get(health)[1])["status"] == "draining"
+            assert http_get(health + "/live")[0] == 200
+            rt = SyncRT(stack.gateway.ws_url)
+            rt.send({"type": "session.update", "session": {"type": "realtime"}})
+            ev = rt.recv(60)
+            assert ev["type"] == "error" and ev["error"]["code"] == "server_shutting_down", ev
+            with pytest.raises(ConnectionClosed) as closed:
+                rt.recv(30)
+            assert closed.value.rcvd.code == 1013
+            feeder.check_alive(2)  # a drain with no deadline never touches a live session
+        finally:
+            stub.Drain(common_pb2.DrainRequest(cancel=True), timeout=10, metadata=admin)
+    assert wait_until(lambda: http_get(health)[0] == 200, 10)
+    open_session(stack).close()
     assert_back_to_baseline(stack, baseline)

@@ -670,3 +670,19 @@ def test_every_container_runs_the_image_the_dockerfile_builds_as_its_user(target
             for c in containers(spec):
                 ids = (effective_security(spec, c, "runAsUser"), effective_security(spec, c, "runAsGroup"))
                 assert ids == (int(user[1]), int(user[2])), (target, c["name"], ids)
+
+
+def test_stages_listen_on_the_pod_address_and_drain_needs_the_optional_admin_secret(targets):
+    """The stages' default is loopback; every target sets <STAGE>_HOST to the pod's own address
+    (the downward API), and Drain's token comes from an optional Secret (none: Drain is refused)."""
+    for target in ALL_TARGETS:
+        for c in containers(pod_spec(find(targets[target], *CELL))):
+            if c["name"] not in STAGES:
+                continue
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", (target, c["name"])
+            assert env[f"{c['name'].upper()}_HOST"].get("value") == "$(POD_IP)", (target, c["name"])
+            names = [e["name"] for e in c["env"]]
+            assert names.index("POD_IP") < names.index(f"{c['name'].upper()}_HOST")  # $(VAR) needs it defined first
+            token = env["DUPLEX_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+            assert token["optional"] is True and token["name"] == "personaplex-admin", (target, token)

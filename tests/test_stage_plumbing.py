@@ -25,11 +25,14 @@ from services.common.codec_stage import CodecService, CodecServiceConfig
 from services.common.errors import ResourceExhausted, SeqGap, SeqRepeated
 from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool
+from services.common.stage_server import ADMIN_TOKEN_ENV
 from services.common.stage_config import load_config
 from services.encoder.server import EncoderServicer, SERVICE_NAME, parse_pcm
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError
 
 FRAME = 1920
+ADMIN_TOKEN = "toy-admin-token"
+ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)  # the Drain RPC's metadata
 
 
 class ToyCodec:
@@ -94,7 +97,8 @@ def frames_for(n: int, seed: int) -> list[np.ndarray]:
 
 
 @pytest.fixture
-async def toy():
+async def toy(monkeypatch):
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
     service, codec = toy_service()
     await service.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
@@ -297,7 +301,7 @@ async def test_duplicate_stream_id_refused(toy):
 async def test_drain_stops_admission_then_ends_streams_at_deadline(toy):
     service, _, channel, stub = toy
     live, _ = await open_stream(stub, "live")
-    reply = await stub.Drain(common_pb2.DrainRequest(deadline_s=0.5))
+    reply = await stub.Drain(common_pb2.DrainRequest(deadline_s=0.5), metadata=ADMIN)
     assert reply.active_streams == 1
     health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -317,8 +321,88 @@ async def test_drain_stops_admission_then_ends_streams_at_deadline(toy):
         await live.read()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "deadline" in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.Drain(common_pb2.DrainRequest(deadline_s=-1))
+        await stub.Drain(common_pb2.DrainRequest(deadline_s=-1), metadata=ADMIN)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", ADMIN_TOKEN),)])
+async def test_drain_needs_the_admin_token(toy, metadata):
+    """Whoever reaches the port cannot drain it: no token, a wrong one, or no Bearer scheme is
+    UNAUTHENTICATED, and the stage goes on admitting."""
+    service, _, _, stub = toy
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Drain(common_pb2.DrainRequest(deadline_s=1e-6), metadata=metadata)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert not (await stub.GetCapacity(common_pb2.CapacityRequest())).draining
+    call, _ = await open_stream(stub, "still-admitted")
+    await call.done_writing()
+
+
+async def test_drain_is_refused_when_no_admin_token_is_configured(monkeypatch):
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    service, _ = toy_service()
+    await service.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await encoder_pb2_grpc.EncoderStub(channel).Drain(common_pb2.DrainRequest(), metadata=(("authorization", "Bearer "),))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "disabled" in e.value.details()
+    await service.stop()
+
+
+async def test_undrain_admits_again_and_cancels_the_pending_deadline(toy):
+    """Drain with a deadline, then Drain(cancel=true): health and admission come back, and the live
+    stream outlives the cancelled deadline."""
+    service, _, channel, stub = toy
+    live, _ = await open_stream(stub, "live")
+    await stub.Drain(common_pb2.DrainRequest(deadline_s=0.3), metadata=ADMIN)
+    assert (await stub.GetCapacity(common_pb2.CapacityRequest())).draining
+    reply = await stub.Drain(common_pb2.DrainRequest(cancel=True), metadata=ADMIN)
+    assert reply.active_streams == 1
+    cap = await stub.GetCapacity(common_pb2.CapacityRequest())
+    assert not cap.draining and cap.free_slots == 3
+    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    await asyncio.sleep(0.6)  # past the cancelled deadline
+    for seq, f in enumerate(frames_for(2, 9)):
+        await live.write(pcm_frame(seq, f))
+        assert (await live.read()).WhichOneof("kind") == "codes"
+    again, _ = await open_stream(stub, "after-undrain")
+    for call in (live, again):
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_stream_that_sends_nothing_is_ended_at_the_idle_bound_on_its_own_rpc_and_on_a_link(monkeypatch):
+    """A stream (its own Encode RPC, or a session on an EncodeLink) that sends nothing after open
+    ends with DEADLINE_EXCEEDED (kind idle) at the bound and its slot comes back; a stream that
+    keeps sending frames on the same stage is not touched."""
+    service, _ = toy_service(stream_idle_timeout_s=0.6)
+    await service.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+        stub = encoder_pb2_grpc.EncoderStub(channel)
+        busy, _ = await open_stream(stub, "busy")
+        idle, _ = await open_stream(stub, "idle")
+        link = stub.EncodeLink()
+        entry = encoder_pb2.EncodeLinkRequest.Entry
+        await link.write(encoder_pb2.EncodeLinkRequest(entries=[entry(stream_id="idle-on-link", request=open_req("idle-on-link"))]))
+        opened = await link.read()
+        assert opened.entries[0].response.WhichOneof("kind") == "opened"
+        frames = frames_for(12, 4)
+        for seq, f in enumerate(frames):  # 1.2 s of frames on "busy", twice the bound
+            await busy.write(pcm_frame(seq, f))
+            assert (await busy.read()).WhichOneof("kind") == "codes"
+            await asyncio.sleep(0.1)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await idle.read()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle" in e.value.details()
+        status = (await link.read()).entries[0]
+        assert status.stream_id == "idle-on-link" and status.status.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert status.status.kind == "idle"
+        await busy.done_writing()
+        assert await busy.read() is grpc.aio.EOF and await busy.code() == grpc.StatusCode.OK
+        await link.done_writing()
+        await wait_until(lambda: not service.runtime.streams and service.runtime.pool.free_count == 4)
+    await service.stop()
 
 
 async def test_reflection_lists_services(toy):

@@ -20,6 +20,7 @@ import torch
 
 from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common.checkpoint import CheckpointPaths
+from services.common.stage_server import ADMIN_TOKEN_ENV
 from services.talker.config import TalkerConfig
 from services.talker.server import TalkerService
 
@@ -429,11 +430,12 @@ async def test_bad_open_and_bad_frames_get_typed_errors_and_change_nothing(tiny_
         assert live.as_pairs() == reference_outputs(tiny_checkpoint, live.ready.slot, None, PERSONA, frames)
 
 
-async def test_drain_refuses_new_sessions_and_ends_live_ones_at_the_deadline(tiny_checkpoint):
+async def test_drain_refuses_new_sessions_and_ends_live_ones_at_the_deadline(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "talker-admin")
     async with Service(config(tiny_checkpoint)) as s:
         sess = Session(s.stub, "d")
         await sess.open()
-        resp = await s.stub.Drain(common_pb2.DrainRequest(deadline_s=2.0))
+        resp = await s.stub.Drain(common_pb2.DrainRequest(deadline_s=2.0), metadata=(("authorization", "Bearer talker-admin"),))
         assert resp.active_streams == 1
         cap = await s.capacity()
         assert cap.draining and cap.free_slots == 0

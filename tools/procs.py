@@ -111,7 +111,8 @@ class ServiceProcess:
         """Start the process without waiting (to start several in parallel; then wait_ready each)."""
         if self.proc is not None:
             raise RuntimeError(f"{self.module} was already started (pid {self.proc.pid})")
-        cmd = [sys.executable, "-m", self.module, "--port", str(self.port), "--metrics-port", str(self.metrics_port), *self.args]
+        cmd = [sys.executable, "-m", self.module, "--host", self.host, "--port", str(self.port), "--metrics-port",
+               str(self.metrics_port), *self.args]
         # stderr to a file, not a pipe: a chatty service must never block on a full pipe.
         self._stderr = tempfile.TemporaryFile(mode="w+", prefix=f"{self.module}-", suffix=".stderr")
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=self._stderr,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.stage_server import ADMIN_TOKEN_ENV
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, _die_with_parent, free_port
 
 
@@ -113,6 +115,8 @@ class Stack:
     gateway_env: dict = field(default_factory=dict)
     gateway_workers: str = "1"  # gateway worker processes on its one port: N or "auto"
     progress: callable = lambda msg: None
+    # The stages' Drain token (their DUPLEX_ADMIN_TOKEN): the operator's, else a fresh one per stack.
+    admin_token: str = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16))
     cell_procs: list[CellProcs] = field(default_factory=list)
     gateway: GatewayProcess | None = None
 
@@ -122,7 +126,8 @@ class Stack:
             procs = []
             for i in range(self.cells):
                 common = ["--checkpoint", str(self.checkpoint), "--slots", str(self.sessions), "--device", self.device]
-                procs.append({stage: ServiceProcess(f"services.{stage}", [*common, *extra], host=self.host, ready_timeout=180)
+                procs.append({stage: ServiceProcess(f"services.{stage}", [*common, *extra], host=self.host, ready_timeout=180,
+                                                    env={ADMIN_TOKEN_ENV: self.admin_token})
                               for stage, extra in (("encoder", self.codec_args), ("talker", self.talker_args), ("decoder", self.codec_args))})
             self.cell_procs = [CellProcs(**p) for p in procs]
             self.progress(f"starting {3 * self.cells} stage processes ...")

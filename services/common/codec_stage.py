@@ -42,7 +42,8 @@ from services.common.errors import Internal, InvalidArgument, StageError
 from services.common.frame_grid import next_grid_time
 from services.common.link import serve_link
 from services.common.process import check_gil_switch_ms, configure_process
-from services.common.stage_server import FRAME_MS, StageRpcs, StageRuntime, StageServer, freeze_startup_heap
+from services.common.stage_server import (FRAME_MS, STREAM_IDLE_TIMEOUT_S, StageRpcs, StageRuntime, StageServer,
+                                          freeze_startup_heap)
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x[slots,...], active[slots]) -> out[slots,...]
 
@@ -303,7 +304,7 @@ class CodecServiceConfig:
     """What both codec services take (each service's config.py sets its own defaults)."""
 
     checkpoint: str = ""  # checkpoint directory; "" = the embedded tiny random checkpoint
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless the operator names an address (run_stack, k8s: the pod's)
     port: int = 0
     metrics_port: int = 0  # -1 disables the /metrics endpoint
     slots: int = 16  # concurrent streams (rows of the codec batch)
@@ -326,6 +327,7 @@ class CodecServiceConfig:
     # per step: about 15 ms eager, 5.6 ms graphed for 160 streams of the full model on an H200).
     cuda_graph: bool = False
     drain_deadline_s: float = 30.0  # SIGTERM: how long live streams may continue
+    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S  # a stream that sends nothing this long ends (0 = never)
     # How often CPython makes a thread holding the GIL yield it (services/common/process.py: why a
     # busy gRPC loop otherwise stalls the step thread's every torch call; CPython's default is 5).
     gil_switch_ms: float = 0.2
@@ -391,7 +393,7 @@ class CodecService:
     ):
         self.cfg = cfg
         self.codec = codec  # the streamer behind `step` (for tests and debugging), if given
-        self.runtime = StageRuntime(stage, cfg.slots)
+        self.runtime = StageRuntime(stage, cfg.slots, stream_idle_timeout_s=cfg.stream_idle_timeout_s)
         self.runtime.metrics.track_gpu(cfg.device)  # the duplex_stage_gpu_memory_* gauges (CUDA only)
         self.warmup_s: float | None = None
         self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype, batch_wait_s=cfg.batch_wait_ms / 1000,

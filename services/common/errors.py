@@ -87,6 +87,27 @@ class Unavailable(StageError):
     kind = "unavailable"
 
 
+class FailedPrecondition(StageError):
+    """The request cannot be served in the service's current state (e.g. un-drain while shutting down)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    kind = "failed_precondition"
+
+
+class IdleTimeout(StageError):
+    """A live stream sent nothing (no frame, no half-close) for the stage's idle bound."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    kind = "idle"
+
+
+class Unauthenticated(StageError):
+    """An admin RPC (Drain) without the stage's admin token, or on a stage that has none."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    kind = "unauthenticated"
+
+
 class Internal(StageError):
     """A bug or a failed codec/model step; the stream ends, the service keeps serving."""
 

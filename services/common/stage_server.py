@@ -8,11 +8,18 @@ StageRuntime: admission and the life of a stream.
     handle.seq.check(seq); ...; handle.seq.advance()
     runtime.close_stream(handle, reason)      # frees the slot (confirmed: see slots.SlotPool)
 
+A stream that sends nothing for `stream_idle_timeout_s` (however it arrives: its own RPC or a
+link) ends with DEADLINE_EXCEEDED (kind "idle") at that read: an idle or forgotten client never
+holds a slot for good. It must exceed the gateway's own no-audio bound.
+
     async with runtime.guard(context):        # StageError -> errors metric + gRPC status
         ...
 
 StageRpcs: the GetCapacity and Drain RPCs, identical for every stage (a mixin
-for the generated servicer classes).
+for the generated servicer classes). Drain is an admin RPC: it needs the metadata
+`authorization: Bearer <token>` with the token in the stage's DUPLEX_ADMIN_TOKEN
+environment variable; with none set, Drain is refused (UNAUTHENTICATED) and SIGTERM is the
+only way to drain. `Drain(cancel=true)` un-drains: admission and health come back.
 
 StageServer: the process around them: a grpc.aio server, standard
 grpc.health.v1 health (SERVING; NOT_SERVING once draining, except the name
@@ -27,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hmac
 import logging
+import os
 import signal
 import time
 from typing import Awaitable, Callable, Iterable
@@ -38,7 +47,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from duplex.v1 import common_pb2
-from services.common.errors import AlreadyExists, InvalidArgument, StageError, Unavailable
+from services.common.errors import (AlreadyExists, FailedPrecondition, IdleTimeout, InvalidArgument, StageError,
+                                    Unauthenticated, Unavailable)
 from services.common.metrics import StageMetrics
 from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool
@@ -48,6 +58,8 @@ FRAME_MS = 80
 # process is alive and must not be restarted; "" and the stage's own name go NOT_SERVING).
 LIVENESS = "liveness"
 MAX_STREAM_ID = 128
+STREAM_IDLE_TIMEOUT_S = 60.0
+ADMIN_TOKEN_ENV = "DUPLEX_ADMIN_TOKEN"
 
 
 def freeze_startup_heap() -> None:
@@ -69,9 +81,10 @@ def validate_stream_id(stream_id: str) -> None:
 class StreamHandle:
     """One live stream: its id, its slot, its sequence checker, and a way to be ended from outside."""
 
-    def __init__(self, stream_id: str, slot: int):
+    def __init__(self, stream_id: str, slot: int, idle_timeout_s: float = 0.0):
         self.stream_id = stream_id
         self.slot = slot
+        self.idle_timeout_s = idle_timeout_s  # 0: no bound
         self.seq = SequenceChecker()
         self.opened_at = time.monotonic()
         self.frames = 0  # frames answered, for the close log line
@@ -97,7 +110,7 @@ class StreamHandle:
         read = asyncio.ensure_future(context.read())
         killed = asyncio.ensure_future(self._kill_event.wait())
         try:
-            await asyncio.wait({read, killed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({read, killed}, timeout=self.idle_timeout_s or None, return_when=asyncio.FIRST_COMPLETED)
         finally:
             killed.cancel()
             if not read.done():
@@ -106,22 +119,27 @@ class StreamHandle:
             req = read.result()
             return None if req is grpc.aio.EOF else req
         self.raise_if_killed()
-        raise AssertionError("unreachable")
+        raise IdleTimeout(f"stream {self.stream_id} sent nothing for {self.idle_timeout_s:g}s (the stage's idle bound)")
 
 
 class StageRuntime:
     """Slots, live streams and the draining flag of one stage service (event loop thread only)."""
 
-    def __init__(self, stage: str, slots: int, metrics: StageMetrics | None = None, frame_ms: int = FRAME_MS):
+    def __init__(self, stage: str, slots: int, metrics: StageMetrics | None = None, frame_ms: int = FRAME_MS,
+                 stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S, admin_token: str | None = None):
         self.stage = stage
         self.frame_ms = frame_ms
+        self.stream_idle_timeout_s = stream_idle_timeout_s
+        # The Drain RPC's bearer token (None: Drain is refused); by default from the environment.
+        self.admin_token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV) or None
+        self.stopping = False  # a SIGTERM shutdown is under way: it cannot be un-drained
         self.pool = SlotPool(slots)
         self.metrics = metrics or StageMetrics(stage)
         self.metrics.track(active=lambda: len(self.streams), free=lambda: self.pool.free_count)
         self.streams: dict[str, StreamHandle] = {}
         self.draining = False
         self.log = logging.getLogger(f"duplex.{stage}")
-        self._drain_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._drain_listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain_timers: set[asyncio.Task] = set()
@@ -135,7 +153,7 @@ class StageRuntime:
         if stream_id in self.streams:
             raise AlreadyExists(f"stream id {stream_id!r} is already live on this {self.stage}")
         slot = self.pool.acquire()
-        handle = StreamHandle(stream_id, slot)
+        handle = StreamHandle(stream_id, slot, self.stream_idle_timeout_s)
         self.streams[stream_id] = handle
         self._idle.clear()
         self.metrics.streams_opened.inc()
@@ -182,8 +200,32 @@ class StageRuntime:
             frame_ms=self.frame_ms,
         )
 
-    def on_drain(self, listener: Callable[[], Awaitable[None]]) -> None:
+    def on_drain(self, listener: Callable[[bool], Awaitable[None]]) -> None:
+        """`await listener(draining)` whenever draining starts (True) or is cancelled (False)."""
         self._drain_listeners.append(listener)
+
+    def check_admin(self, context: grpc.aio.ServicerContext) -> None:
+        """Raise Unauthenticated unless the call carries `authorization: Bearer <admin token>`."""
+        if not self.admin_token:
+            raise Unauthenticated(f"{self.stage}: Drain is disabled (no {ADMIN_TOKEN_ENV} is set); SIGTERM drains",
+                                  kind="admin_disabled")
+        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
+        scheme, _, token = sent.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.admin_token.encode()):
+            raise Unauthenticated(f"{self.stage}: Drain needs 'authorization: Bearer <{ADMIN_TOKEN_ENV}>'", kind="bad_admin_token")
+
+    async def undrain(self) -> common_pb2.DrainResponse:
+        """Cancel a drain: admit again, and no pending deadline ends a stream (ended ones stay ended)."""
+        if self.stopping:
+            raise FailedPrecondition(f"{self.stage} is shutting down (SIGTERM): it cannot be un-drained", kind="stopping")
+        for task in list(self._drain_timers):
+            task.cancel()
+        if self.draining:
+            self.draining = False
+            self.log.info("drain cancelled: admitting again; %d live", len(self.streams))
+            for listener in self._drain_listeners:
+                await listener(False)
+        return common_pb2.DrainResponse(active_streams=len(self.streams))
 
     async def drain(self, deadline_s: float) -> common_pb2.DrainResponse:
         """Stop admitting. With deadline_s > 0, streams still live after it end with UNAVAILABLE."""
@@ -193,7 +235,7 @@ class StageRuntime:
             self.draining = True
             self.log.info("draining: admitting no new stream; %d live, deadline %.1fs", len(self.streams), deadline_s)
             for listener in self._drain_listeners:
-                await listener()
+                await listener(True)
         if deadline_s > 0:
             task = asyncio.ensure_future(self._end_streams_after(deadline_s))
             self._drain_timers.add(task)
@@ -224,6 +266,9 @@ class StageRpcs:
 
     async def Drain(self, request, context):
         async with self.runtime.guard(context):
+            self.runtime.check_admin(context)
+            if request.cancel:
+                return await self.runtime.undrain()
             return await self.runtime.drain(request.deadline_s)
 
 
@@ -236,7 +281,7 @@ class StageServer:
         *,
         register: Callable[[grpc.aio.Server], None],
         service_names: Iterable[str],
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         port: int = 0,
         metrics_port: int | None = 0,
         drain_deadline_s: float = 30.0,
@@ -268,7 +313,7 @@ class StageServer:
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
-        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        bound = self.server.add_insecure_port(f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}")
         if bound == 0:
             raise OSError(f"{self.runtime.stage}: cannot bind gRPC port {self.host}:{self.port}")
         self.port = bound
@@ -278,15 +323,16 @@ class StageServer:
         await self.server.start()
         for name in ["", *self.service_names, LIVENESS]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.runtime.on_drain(self._not_serving)
+        self.runtime.on_drain(self._set_serving)
         self.runtime.log.info(
             "%s serving on %s:%d (metrics :%s, %d slots)",
             self.runtime.stage, self.host, self.port, self.metrics_port, self.runtime.pool.total,
         )
 
-    async def _not_serving(self) -> None:
+    async def _set_serving(self, draining: bool) -> None:
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
         for name in ["", *self.service_names]:
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(name, status)
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.server is not None:
@@ -300,6 +346,7 @@ class StageServer:
     async def drain_and_stop(self, deadline_s: float | None = None) -> None:
         """SIGTERM path: drain, let streams finish (up to the deadline, then they get UNAVAILABLE), stop."""
         deadline_s = self.drain_deadline_s if deadline_s is None else deadline_s
+        self.runtime.stopping = True
         await self.runtime.drain(deadline_s)
         # The deadline kills streams at their next read; give them a moment to say so to their clients.
         idle = await self.runtime.wait_idle(deadline_s + 2.0 if deadline_s > 0 else None)

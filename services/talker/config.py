@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from services.common.process import check_gil_switch_ms
+from services.common.stage_server import STREAM_IDLE_TIMEOUT_S
 from services.common.stage_config import load_config
 
 ENV_PREFIX = "TALKER_"
@@ -84,6 +85,7 @@ class TalkerConfig:
     voice_cache_dir: str = ""
     max_voice_seconds: float = 60.0  # longer voice audio is INVALID_ARGUMENT (bad_voice)
     drain_deadline_s: float = 30.0  # SIGTERM: how long live sessions may continue
+    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S  # a stream that sends nothing this long ends (0 = never)
     # torch intra-op threads. 1 by default: the stages share a machine's cores, and several
     # processes each spinning torch's default thread pool slow one another down many times over.
     threads: int = 1
