@@ -23,19 +23,24 @@ from websockets.exceptions import ConnectionClosed
 
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from services.gateway.config import GatewayConfig, parse_workers, usable_cpus
+from services.gateway.workers import MAX_RESTARTS, RESTART_WINDOW_S
 from tests.realtime_client import RT, pcm16_b64, tone
 from tools.run_stack import GatewayProcess, Stack
 
 SLOTS = 4
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20", "--poll-interval", "0.2"]
-_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub, "decoder": decoder_pb2_grpc.DecoderStub}
+_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub,
+          "decoder": decoder_pb2_grpc.DecoderStub}
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint):
-    # The codec stages have a slot for every caller, so the talker's refusal alone decides admission
-    # (see test_twelve_concurrent_opens_...).
-    with Stack(tiny_checkpoint, sessions=SLOTS, codec_args=["--slots", "12"], gateway_workers="2", gateway_args=GATEWAY_ARGS) as s:
+    # The codec stages have a slot for every caller, so the talker's refusal alone decides admission.
+    # With equal counts in all three stages, two workers' callers reach the stages in different
+    # orders, each stage gives its last slots to different callers, and a caller refused by any
+    # stage is refused whole: the cell can then admit fewer than its slots (the open path's order).
+    with Stack(tiny_checkpoint, sessions=SLOTS, codec_args=["--slots", "12"], gateway_workers="2",
+               gateway_args=GATEWAY_ARGS) as s:
         yield s
 
 
@@ -63,7 +68,8 @@ def samples(gateway: GatewayProcess) -> dict[tuple[str, tuple], float]:
     """One /metrics answer: (sample name, sorted labels) -> value."""
     with urllib.request.urlopen(gateway.http_url + "/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    families = text_string_to_metric_families(text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in families for s in fam.samples}
 
 
 def total(gateway: GatewayProcess, name: str) -> float:
@@ -244,13 +250,34 @@ def test_workers_die_with_a_killed_supervisor(stack):
         extra.stop()
 
 
+def test_a_crash_loop_stops_the_gateway_loudly(stack):
+    extra = GatewayProcess(stack.cell_procs[0].spec, args=[*GATEWAY_ARGS, "--workers", "2"]).start()
+    try:
+        killed: set[int] = set()
+        deadline = time.monotonic() + 60
+        while extra.proc.poll() is None and time.monotonic() < deadline:
+            for pid in set(children(extra.proc.pid)) - killed:
+                if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+            time.sleep(0.05)
+        # Crashes are restarted up to MAX_RESTARTS within the window; the next stops the gateway: exit 1, said why.
+        assert extra.proc.wait(30) == 1, extra.log_tail()
+        log = extra.log_tail(20000)
+        assert len(killed) > MAX_RESTARTS and log.count("restarting it") == MAX_RESTARTS, (killed, log)
+        assert f"{MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f} s, stopping the gateway" in log
+    finally:
+        extra.stop()
+
+
 def test_zz_sigterm_stops_every_worker_and_removes_the_metrics_dir(stack):
     g = stack.gateway
     procs = children(g.proc.pid)
     workers = list(worker_pids(g).values())
     assert set(workers) <= set(procs)
-    metrics_dir = Path(dict(kv.split(b"=", 1) for kv in Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0") if b"=" in kv)
-                       [b"PROMETHEUS_MULTIPROC_DIR"].decode())
+    pairs = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+    environ = dict(kv.split(b"=", 1) for kv in pairs if b"=" in kv)
+    metrics_dir = Path(environ[b"PROMETHEUS_MULTIPROC_DIR"].decode())
     assert metrics_dir.is_dir() and any(metrics_dir.glob("*.db"))
     g.proc.send_signal(signal.SIGTERM)
     assert g.proc.wait(30) == 0, g.log_tail()

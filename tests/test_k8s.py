@@ -417,8 +417,9 @@ def gateway_workers_problems(docs: list[dict]) -> list[str]:
     gw = next(c for c in pod_spec(find(docs, *GATEWAY))["containers"] if c["name"] == "gateway")
     src = next((e.get("valueFrom", {}) for e in gw.get("env", []) if e["name"] == WORKERS_ENV), {})
     ref = src.get("resourceFieldRef", {})
-    if ref.get("resource") != "requests.cpu" or str(ref.get("divisor", "1")) != "1" or ref.get("containerName", "gateway") != "gateway":
-        out.append(f"gateway: {WORKERS_ENV} must come from its own requests.cpu (divisor 1), got {src or 'no such env'}")
+    own = ref.get("containerName", "gateway") == "gateway"
+    if ref.get("resource") != "requests.cpu" or str(ref.get("divisor", "1")) != "1" or not own:
+        out.append(f"gateway: {WORKERS_ENV} must come from its own requests.cpu (divisor 1), got {src or 'none'}")
     if "--workers" in gw.get("args", []) + gw.get("command", []):
         out.append(f"gateway: a --workers flag overrides {WORKERS_ENV}")
     request = gw.get("resources", {}).get("requests", {}).get("cpu")
@@ -619,9 +620,12 @@ BREAKAGES = {
     "two gpus": (gpu_problems, lambda d: find(d, "ResourceClaimTemplate", "cell-gpu")["spec"]["spec"]["devices"]["requests"][0]["exactly"].update(count=2)),
     "template label drift": (selector_problems, lambda d: find(d, *CELL)["spec"]["template"]["metadata"]["labels"].update({"app.kubernetes.io/component": "cells"})),
     "hpa wrong target": (selector_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")["spec"]["scaleTargetRef"].update(name="gw")),
-    "workers from the limit": (gateway_workers_problems, lambda d: _env(_container(d, "gateway", GATEWAY), WORKERS_ENV)["valueFrom"]["resourceFieldRef"].update(resource="limits.cpu")),
-    "workers flag": (gateway_workers_problems, lambda d: _container(d, "gateway", GATEWAY)["args"].extend(["--workers", "8"])),
-    "hpa on unknown metric": (gateway_workers_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")["spec"]["metrics"][0]["pods"]["metric"].update(name="gateway_sessions")),
+    "workers from the limit": (gateway_workers_problems, lambda d: _env(_container(d, "gateway", GATEWAY), WORKERS_ENV)
+                               ["valueFrom"]["resourceFieldRef"].update(resource="limits.cpu")),
+    "workers flag": (gateway_workers_problems,
+                     lambda d: _container(d, "gateway", GATEWAY)["args"].extend(["--workers", "3"])),
+    "hpa on unknown metric": (gateway_workers_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")
+                              ["spec"]["metrics"][0]["pods"]["metric"].update(name="gateway_sessions")),
     "pdb selects all": (selector_problems, lambda d: find(d, "PodDisruptionBudget", "gateway")["spec"]["selector"]["matchLabels"].pop("app.kubernetes.io/component")),
     "grpc open to namespace": (network_policy_problems, lambda d: find(d, "NetworkPolicy", "cell-ingress")["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}})),
     "grpc open to all": (network_policy_problems, lambda d: find(d, "NetworkPolicy", "cell-ingress")["spec"]["ingress"][0].pop("from")),

@@ -19,6 +19,8 @@ With `--workers N` (N > 1) every worker writes its values to files in one direct
 every worker that ever ran, `gateway_sessions_active` is the sum over live workers (a dead
 worker's part is dropped when the supervisor marks it dead), and the cell gauges are the most
 recent poll of any live worker. `worker` is the worker's index (0..N-1), kept by its restarts.
+A new gauge states how workers combine (multiprocess_mode); without one each worker's value
+is a separate series labelled by pid.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from prometheus_client.multiprocess import mark_process_dead
+
 from services.gateway.config import GatewayConfig
 
 log = logging.getLogger("gateway.workers")
@@ -163,8 +165,6 @@ class _Supervisor:
                 pass
 
     def _reap(self) -> None:
-        from prometheus_client.multiprocess import mark_process_dead
-
         for i, p in list(self.procs.items()):
             if p.exitcode is None:
                 continue
