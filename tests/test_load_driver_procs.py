@@ -20,6 +20,7 @@ import pytest
 from tests.test_load_driver import Behavior, eventually, fake_server, load_args, run_driver
 from tools.load_driver.__main__ import parse_args
 from tools.load_driver.config import FRAME_PERIOD_S, FRAME_SAMPLES
+from tools.load_driver.metrics import frame_latencies_ms, own_lateness_s, send_rtfs
 from tools.load_driver.report import timeline_bands
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,6 +159,36 @@ def test_an_output_stall_fails_on_underrun_and_frame_latency(tmp_path, bounds, c
     if reason is not None:
         assert any(r.startswith(reason) for r in result["reasons"]), result["reasons"]
     assert (reason == "underrun:") == (not row["ok"])  # an underrun fails the session itself
+
+
+# -- definitions --------------------------------------------------------------------------------
+
+
+def test_client_lateness_excludes_time_blocked_on_the_server():
+    """Frame 1's send blocks 150 ms (the server stopped reading), so frame 2 starts 70 ms after its
+    target: the schedule slipped, but not by the client's doing. The same slip from a late wakeup is."""
+    blocked = [(0.00, 0.00, 0.00, 0.001), (0.08, 0.08, 0.08, 0.23), (0.16, 0.16, 0.23, 0.231),
+               (0.24, 0.31, 0.31, 0.311)]  # frame 3's target re-anchored by frame 2's 70 ms
+    late_wakeup = [(0.00, 0.00, 0.00, 0.001), (0.08, 0.08, 0.08, 0.081), (0.16, 0.16, 0.23, 0.231),
+                   (0.24, 0.31, 0.31, 0.311)]
+    audio_s = 4 * FRAME_PERIOD_S
+    assert own_lateness_s(blocked) == pytest.approx([0, 0, 0, 0])
+    assert send_rtfs(blocked) == pytest.approx((1.0, (audio_s + 0.07) / audio_s))
+    assert own_lateness_s(late_wakeup) == pytest.approx([0, 0, 0.07, 0])
+    assert send_rtfs(late_wakeup) == pytest.approx(((audio_s + 0.07) / audio_s,) * 2)
+    # A 15 ms late wakeup (under RESYNC_S) is absorbed by the schedule, unless it is the last frame's.
+    jitter = [(0.00, 0.00, 0.00, 0.001), (0.08, 0.08, 0.095, 0.096), (0.16, 0.16, 0.175, 0.176)]
+    assert send_rtfs(jitter) == pytest.approx(((3 * FRAME_PERIOD_S + 0.015) / (3 * FRAME_PERIOD_S),) * 2)
+    assert send_rtfs([]) == (None, None)
+
+
+def test_frame_latency_pairs_input_and_output_frames_by_index():
+    # Packets of 1.5, 0.5 and 2 frames: output frame 0 completes with packet 0, frame 1 with packet 1,
+    # frames 2 and 3 with packet 2; input frame 3 was never sent, so output frame 3 has no latency.
+    latencies = frame_latencies_ms([0.0, 0.08, 0.16], [0.10, 0.25, 0.40],
+                                   [3 * FRAME_SAMPLES // 2, FRAME_SAMPLES // 2, 2 * FRAME_SAMPLES])
+    assert latencies == pytest.approx([100, 170, 240])
+    assert frame_latencies_ms([0.0, 0.08], [], []) == []
 
 
 # -- the plot -----------------------------------------------------------------------------------

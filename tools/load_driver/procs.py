@@ -2,7 +2,8 @@
 
 Each child is `python -m tools.load_driver` with the same options on one Shard (sessions p, p+K, ...).
 The protocol, over the child's stdin and stdout:
-  1. the child admits its sessions, then prints ADMITTED;
+  1. the child admits its sessions, then prints ADMITTED (and, with --progress, a PROGRESS line of
+     counts every second from the start, which the parent sums into its own progress line);
   2. once every child has, the parent writes one shared input start (time.monotonic(): one clock for
      every process of the host) to each child's stdin; session g of N starts g/N of a period after it;
   3. the child streams, drains, closes, writes its result (run_load's) to its --shard-result file
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,10 @@ import numpy as np
 from .config import FRAME_PERIOD_S, DriverConfig
 from .input_audio import frame_count
 from .load import Shard, mark_shared_response_ids, new_run, run_load, session_row
+from .report import merge_counts, progress_counts
 
 ADMITTED = "load_driver:admitted"
+PROGRESS = "load_driver:progress "
 # Lead time between the start being chosen and the first send: covers the pipe and the children's wakeup.
 PROCS_START_LEAD_S = 0.25
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding tools/
@@ -50,6 +53,25 @@ def config_argv(config: DriverConfig) -> list[str]:
 
 
 # -- the child ------------------------------------------------------------------------------
+
+
+class ProgressFeed:
+    """A child's progress: its counts as a PROGRESS line on stdout every second, for the parent."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(self, runs: list, frames_per_session: int) -> None:
+        self._task = asyncio.create_task(self._loop(runs, frames_per_session))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self, runs: list, frames_per_session: int) -> None:
+        while True:
+            print(PROGRESS + json.dumps(progress_counts(runs, frames_per_session)), flush=True)
+            await asyncio.sleep(1.0)
 
 
 async def run_shard(config: DriverConfig, shard: Shard, pcm: np.ndarray) -> dict[str, Any]:
@@ -81,7 +103,8 @@ async def run_shard(config: DriverConfig, shard: Shard, pcm: np.ndarray) -> dict
         return await start
 
     try:
-        return await run_load(config, pcm, shard=shard, start_at=start_at)
+        feed = ProgressFeed() if config.progress else None
+        return await run_load(config, pcm, feed, shard=shard, start_at=start_at)
     finally:
         finished = True
 
@@ -107,10 +130,13 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     admitted: bool = False
     error: str | None = None
+    counts: dict[str, Any] | None = None  # its latest PROGRESS
+    reader: asyncio.Task[None] | None = None
+    told: asyncio.Event = field(default_factory=asyncio.Event)  # admitted, or its stdout ended
 
 
 async def _spawn(child: Child, config: DriverConfig) -> None:
-    options = replace(config, procs=1, output_dir=None, plot=False, progress=False)
+    options = replace(config, procs=1, output_dir=None, plot=False)
     argv = [*config_argv(options), "--shard", f"{child.shard.index}/{child.shard.count}",
             "--shard-result", str(child.result_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -118,19 +144,39 @@ async def _spawn(child: Child, config: DriverConfig) -> None:
         sys.executable, "-m", "tools.load_driver", *argv,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
     )
+    child.reader = asyncio.create_task(_read_child(child))
+
+
+async def _read_child(child: Child) -> None:
+    """The child's stdout for its whole life: ADMITTED once, PROGRESS lines, end of file."""
+    assert child.proc is not None and child.proc.stdout is not None
+    try:
+        while True:
+            try:
+                raw = await child.proc.stdout.readline()
+                if not raw:
+                    return
+                line = raw.decode(errors="replace").strip()
+                if line == ADMITTED:
+                    child.admitted = True
+                    child.told.set()
+                elif line.startswith(PROGRESS):
+                    child.counts = json.loads(line[len(PROGRESS):])
+            except ValueError:  # an overlong or garbled line is skipped (reading on keeps the pipe flowing)
+                continue
+    finally:
+        child.told.set()
 
 
 async def _await_admission(child: Child, timeout_s: float) -> None:
-    assert child.proc is not None and child.proc.stdout is not None
+    assert child.proc is not None
     try:
-        async with asyncio.timeout(timeout_s):
-            while line := await child.proc.stdout.readline():
-                if line.decode(errors="replace").strip() == ADMITTED:
-                    child.admitted = True
-                    return
-            child.error = f"exited with code {await child.proc.wait()} before admission"
+        await asyncio.wait_for(child.told.wait(), timeout_s)
     except TimeoutError:
         child.error = f"did not finish admission within {timeout_s:.0f} s"
+        return
+    if not child.admitted:
+        child.error = f"exited with code {await child.proc.wait()} before admission"
 
 
 async def _await_exit(child: Child, timeout_s: float) -> None:
@@ -158,6 +204,8 @@ async def _stop(child: Child, grace_s: float) -> None:
             await proc.wait()
     if proc.stdin is not None:
         proc.stdin.close()
+    if child.reader is not None:
+        await child.reader
 
 
 async def run_procs(config: DriverConfig, procs: int, pcm: np.ndarray, progress=None) -> dict[str, Any]:
@@ -166,6 +214,8 @@ async def run_procs(config: DriverConfig, procs: int, pcm: np.ndarray, progress=
     stream_s = frame_count(pcm) * FRAME_PERIOD_S
     with tempfile.TemporaryDirectory(prefix="load_driver-") as tmp:
         children = [Child(Shard(p, procs), Path(tmp) / f"proc-{p}.json") for p in range(procs)]
+        if progress is not None:
+            progress.watch_counts(lambda: merge_counts([c.counts for c in children if c.counts is not None]))
         try:
             for child in children:
                 await _spawn(child, config)
@@ -179,6 +229,8 @@ async def run_procs(config: DriverConfig, procs: int, pcm: np.ndarray, progress=
             run_timeout_s = stream_s * 2 + config.drain_s + 2 * config.cleanup_timeout_s + config.timeout_s + 30
             await asyncio.gather(*(_await_exit(c, run_timeout_s) for c in children if c.admitted))
         finally:
+            if progress is not None:
+                progress.stop()
             await asyncio.gather(*(_stop(c, 2 * config.cleanup_timeout_s + 5) for c in children))
         return merge(config, children, start, frame_count(pcm))
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
@@ -49,9 +50,13 @@ class Progress:
             print(f"[load_driver] {message}", file=self.stream, flush=True)
 
     def watch(self, runs: list, frames_per_session: int) -> None:
+        self.watch_counts(lambda: progress_counts(runs, frames_per_session))
+
+    def watch_counts(self, counts: Callable[[], dict[str, Any]]) -> None:
+        """Render `counts()` (progress_counts' layout) every period until stop()."""
         if self.enabled:
             self._t0 = time.monotonic()
-            self._task = asyncio.create_task(self._loop(runs, frames_per_session))
+            self._task = asyncio.create_task(self._loop(counts))
 
     def stop(self) -> None:
         if self._task is not None:
@@ -64,25 +69,41 @@ class Progress:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
 
-    async def _loop(self, runs: list, frames_per_session: int) -> None:
+    async def _loop(self, counts: Callable[[], dict[str, Any]]) -> None:
         period = 0.5 if self.tty else 5.0
         while True:
             await asyncio.sleep(period)
-            line = self.render(runs, frames_per_session)
+            line = self.render(counts())
             self.stream.write(f"\r\x1b[K{line}" if self.tty else f"{line}\n")
             self.stream.flush()
 
-    def render(self, runs: list, frames_per_session: int) -> str:
-        admitted = sum(r.admitted for r in runs)
-        failed = sum(r.error is not None for r in runs)
-        sent = sum(len(r.sends) for r in runs)
-        audio = sum(sum(e["type"] in AUDIO_DELTA_TYPES for e in r.session.events) for r in runs)
-        phases = sorted({r.phase for r in runs})
+    def render(self, counts: dict[str, Any]) -> str:
         return (
-            f"[load_driver] t={time.monotonic() - self._t0:6.1f}s  admitted {admitted}/{len(runs)}  "
-            f"sent {sent}/{frames_per_session * len(runs)} frames  audio deltas {audio}  "
-            f"failed {failed}  phase {','.join(phases)}"
+            f"[load_driver] t={time.monotonic() - self._t0:6.1f}s  admitted {counts['admitted']}/{counts['sessions']}  "
+            f"sent {counts['sent']}/{counts['frames']} frames  audio deltas {counts['audio']}  "
+            f"failed {counts['failed']}  phase {','.join(counts['phases'])}"
         )
+
+
+def progress_counts(runs: list, frames_per_session: int) -> dict[str, Any]:
+    """What the progress line shows of these load sessions (load.SessionRun)."""
+    return {
+        "sessions": len(runs),
+        "admitted": sum(r.admitted for r in runs),
+        "failed": sum(r.error is not None for r in runs),
+        "sent": sum(len(r.sends) for r in runs),
+        "frames": frames_per_session * len(runs),
+        "audio": sum(sum(e["type"] in AUDIO_DELTA_TYPES for e in r.session.events) for r in runs),
+        "phases": sorted({r.phase for r in runs}),
+    }
+
+
+def merge_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The progress counts of several driver processes as one."""
+    merged: dict[str, Any] = {key: sum(part[key] for part in parts)
+                              for key in ("sessions", "admitted", "failed", "sent", "frames", "audio")}
+    merged["phases"] = sorted({phase for part in parts for phase in part["phases"]})
+    return merged
 
 
 # -- load-result.json ---------------------------------------------------------------------
