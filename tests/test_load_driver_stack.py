@@ -33,14 +33,24 @@ def driver(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+# The verdict's latency and underrun bounds are for serving hardware, not this 2-core box running four
+# services and the driver, so they are set wide here: this test is about correct audio and accounting.
+WIDE_SERVER_BOUNDS = ["--max-frame-latency-p99-ms", "10000", "--max-underrun-s", "10"]
+
+
 @pytest.mark.timeout(600)
 def test_two_paced_sessions_on_the_real_stack(stack, tmp_path):
-    """Two driver processes, one session each, merged into one result."""
-    out = tmp_path / "n2"
-    proc = driver("--url", stack.gateway.ws_url, "--sessions", "2", "--procs", "2", "--load-frames", "50",
-                  "--drain-s", "3", "--output-dir", str(out), "--server-revision", "local", "--server-hardware", "cpu")
-    assert (out / "load-result.json").exists(), proc.stderr[-3000:]
-    result = json.loads((out / "load-result.json").read_text())
+    """Two driver processes, one session each, merged into one result. A run the client itself
+    invalidated (the shared box stalled the driver) says nothing about the stack: rerun, at most twice."""
+    for attempt in range(3):
+        out = tmp_path / f"n2-{attempt}"
+        proc = driver("--url", stack.gateway.ws_url, "--sessions", "2", "--procs", "2", "--load-frames", "50",
+                      "--drain-s", "3", "--output-dir", str(out), "--server-revision", "local",
+                      "--server-hardware", "cpu", *WIDE_SERVER_BOUNDS)
+        assert (out / "load-result.json").exists(), proc.stderr[-3000:]
+        result = json.loads((out / "load-result.json").read_text())
+        if result["verdict"] != "INVALID":
+            break
     rows = result["sessions"]
     assert proc.returncode == 0, (proc.stdout, [(r["error"], r["server_error_codes"]) for r in rows],
                                   stack.gateway.log_tail(3000))
