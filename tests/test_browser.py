@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.run_stack import Stack
+from tools.run_stack import GatewayProcess, Stack
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
@@ -261,6 +261,36 @@ def test_talk_from_the_browser(stack, page):
     assert page.problems == [], page.problems
     print(f"\nbrowser: session open {opened_s:.1f}s after Talk; at the screenshot: sent {sent}, received {received}, played {played}, "
           f"lag {lag} frames, rtt {text_of(page, '#rtt-ms')} ms, model rms {model_rms:.2e}; {sent_total} sent in all")
+
+
+@pytest.mark.timeout(900)
+def test_the_page_talks_to_a_gateway_with_an_api_key(stack, page):
+    """A gateway with an API key: the page without the key says so in plain words; with the key
+    typed in, it mints a short-lived client secret and connects with it as the WebSocket
+    subprotocol (a browser WebSocket cannot send an Authorization header), and frames flow."""
+    key = "browser-test-key"
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=["--stall-timeout", "30", "--open-timeout", "120"],
+                        env={"PERSONAPLEX_GATEWAY_API_KEY": key}).start()
+    try:
+        page.goto(gw.http_url + "/")
+        page.fill("#persona", "You like browsers.")
+        page.click("#talk")
+        wait_for(page, "document.getElementById('state').dataset.state === 'error'", 30, "the refusal without a key")
+        assert "needs an API key" in text_of(page, "#error"), text_of(page, "#error")
+        page.fill("#api-key", "wrong")
+        page.click("#talk")
+        wait_for(page, "document.getElementById('error').textContent.includes('not accepted')", 30, "a wrong key refused")
+        page.fill("#api-key", key)
+        page.click("#talk")
+        wait_for(page, "document.getElementById('state').dataset.state === 'live'", 60, "the session to open with the key")
+        wait_for(page, "Number(document.getElementById('received-frames').textContent) >= 3", 60, "frames from the model")
+        assert metric(gw.http_url, "gateway_sessions_active", 'protocol="realtime"') == 1
+        page.click("#stop")
+        wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 15, "the session to close")
+        # The browser logs each refused client-secret request (the two tries without a good key), nothing else.
+        assert [p for p in page.problems if "status of 401" not in p] == [] and len(page.problems) == 2, page.problems
+    finally:
+        gw.stop()
 
 
 # ---- the worklets alone, in an OfflineAudioContext (rendered as fast as the CPU allows) ----------

@@ -16,7 +16,9 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 
 import pytest
 from websockets.exceptions import ConnectionClosed
@@ -529,4 +531,73 @@ def test_drain_needs_the_token_and_can_be_cancelled_and_readiness_follows(stack,
             stub.Drain(common_pb2.DrainRequest(cancel=True), timeout=10, metadata=admin)
     assert wait_until(lambda: http_get(health)[0] == 200, 10)
     open_session(stack).close()
+    assert_back_to_baseline(stack, baseline)
+
+
+# ---- risk 11: a browser with an API key ---------------------------------------------------------------
+
+def test_client_secrets_are_short_lived_and_bound_to_the_key():
+    from services.gateway import auth
+
+    value, expires_at = auth.mint("k", ttl_s=60, now=1000.0)
+    assert expires_at == 1060 and value.startswith("ek_1060_")
+    assert auth.accepts("k", value, now=1059.0) and auth.accepts("k", "k")
+    assert not auth.accepts("k", value, now=1061.0)  # expired
+    assert not auth.accepts("other", value, now=1000.0)  # minted with another key
+    forged = value.replace("ek_1060_", "ek_9999_")
+    assert not auth.accepts("k", forged, now=1000.0)  # the expiry is under the MAC
+    for junk in ("", "ek_", "ek_x_y_z", "ek_١٢_a_b", "k " * 1000, "ek_" + "9" * 5000 + "_a_b"):
+        assert not auth.accepts("k", junk, now=1000.0)
+
+
+def test_api_key_over_the_wire_header_subprotocol_and_client_secret(stack, feeder, baseline):
+    """With an API key: no credential or a wrong one is 401; the key as bearer works (SDKs); a
+    client secret minted by POST /v1/realtime/client_secrets with the key works as the
+    `openai-insecure-api-key.` subprotocol (browsers), and the server answers `realtime`; the
+    secret expires, cannot mint another, and a forged one is refused."""
+    from websockets.exceptions import InvalidStatus
+
+    from tools.run_stack import GatewayProcess
+
+    key = "wire-test-key"
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--client-secret-ttl", "2"],
+                        env={"PERSONAPLEX_GATEWAY_API_KEY": key}).start()
+    secrets_url = gw.http_url + "/v1/realtime/client_secrets"
+
+    def post(headers: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(secrets_url, method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def refused(**kw) -> int:
+        with pytest.raises(InvalidStatus) as e:
+            sync_connect(gw.ws_url, open_timeout=30, **kw)
+        return e.value.response.status_code
+
+    try:
+        assert refused() == 401 and refused(additional_headers={"Authorization": "Bearer nope"}) == 401
+        assert refused(subprotocols=["realtime", "openai-insecure-api-key.nope"]) == 401
+        assert post({})[0] == 401 and post({"Authorization": "Bearer nope"})[0] == 401
+        assert http_get(secrets_url)[0] == 405
+        status, secret = post({"Authorization": f"Bearer {key}"})
+        assert status == 200 and secret["expires_at"] - time.time() <= 2.5, secret
+        assert post({"Authorization": f"Bearer {secret['value']}"})[0] == 401  # a secret cannot mint a secret
+        with sync_connect(gw.ws_url, open_timeout=30, additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+            ws.send(json.dumps({"type": "session.heartbeat"}))
+            assert json.loads(ws.recv(30))["type"] == "session.heartbeat_ack"
+        protocols = ["realtime", f"openai-insecure-api-key.{secret['value']}"]
+        with sync_connect(gw.ws_url, open_timeout=30, subprotocols=protocols) as ws:
+            assert ws.subprotocol == "realtime"
+            ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+            assert json.loads(ws.recv(60))["type"] == "session.created"
+        forged = secret["value"][:-4] + ("0000" if not secret["value"].endswith("0000") else "1111")
+        assert refused(subprotocols=["realtime", f"openai-insecure-api-key.{forged}"]) == 401
+        time.sleep(2.5)
+        assert refused(subprotocols=protocols) == 401  # expired
+    finally:
+        gw.stop()
+    feeder.check_alive(1)
     assert_back_to_baseline(stack, baseline)

@@ -108,6 +108,8 @@ class GatewayConfig:
     stall_timeout_s: float = 3.0
     # Operator-configured bearer key; None (the default) means no check.
     api_key: str | None = None
+    # How long a browser's client secret (POST /v1/realtime/client_secrets) may open connections.
+    client_secret_ttl_s: float = 60.0
     model: str = "nvidia/personaplex-7b-v1"
     default_voice: str = ""
     default_instructions: str = "You enjoy having a good conversation."
@@ -145,6 +147,8 @@ class GatewayConfig:
         p.add_argument("--cleanup-timeout", type=float, default=d.cleanup_timeout_s)
         p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s)
         p.add_argument("--api-key-env", default=API_KEY_ENV, help="environment variable holding the bearer key (unset: no check)")
+        p.add_argument("--client-secret-ttl", type=float, default=d.client_secret_ttl_s,
+                       help="seconds a browser's client secret may open connections")
         p.add_argument("--model", default=d.model)
         p.add_argument("--default-voice", default=d.default_voice)
         p.add_argument("--default-instructions", default=d.default_instructions)
@@ -182,6 +186,7 @@ class GatewayConfig:
             cleanup_timeout_s=a.cleanup_timeout,
             stall_timeout_s=a.stall_timeout,
             api_key=os.environ.get(a.api_key_env) or None,
+            client_secret_ttl_s=a.client_secret_ttl,
             model=a.model,
             default_voice=a.default_voice,
             default_instructions=a.default_instructions,

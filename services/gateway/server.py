@@ -2,6 +2,7 @@
 
     /v1/realtime   WebSocket: the Realtime duplex wire (realtime.py); query duplex=1|true|on (or absent)
     /api/chat      WebSocket: PersonaPlex's native Ogg/Opus protocol (native.py)
+    /v1/realtime/client_secrets   POST with the API key: a short-lived client secret for a browser (auth.py)
     /health        readiness: 200 when some cell is serving and not draining, else 503 (body says why)
     /health/live   liveness: 200 while the process answers (a cell outage must not restart the gateway)
     /metrics       Prometheus text format
@@ -28,6 +29,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from services.gateway import auth
 from services.gateway.cells import CellPool
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
@@ -37,6 +39,7 @@ from services.gateway.realtime import FALSE, TRUE, RealtimeSession
 log = logging.getLogger("gateway.server")
 
 WS_PATHS = ("/v1/realtime", "/api/chat")
+CLIENT_SECRETS_PATH = "/v1/realtime/client_secrets"
 _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
@@ -91,6 +94,7 @@ class Gateway:
             process_request=self._process_request,
             max_size=self.config.max_message_bytes,
             max_queue=4,  # received messages waiting for a session's reader: at most 4 x max_size bytes
+            select_subprotocol=auth.select_subprotocol,
             server_header="personaplex-gateway",
         )
         log.info("gateway%s listening on http://%s:%d (%d cell(s) configured%s)",
@@ -112,8 +116,7 @@ class Gateway:
             if request.headers.get("Upgrade", "").lower() != "websocket":
                 return _response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8", [("Upgrade", "websocket")])
             if not self._authorized(request):
-                self.metrics.errors.labels("invalid_request_error", "unauthorized").inc()
-                return _json(401, {"error": {"type": "invalid_request_error", "code": "unauthorized", "message": "missing or wrong bearer API key"}})
+                return self._unauthorized("missing or wrong API key (a bearer header or the openai-insecure-api-key. subprotocol)")
             query = dict(parse_qsl(url.query))
             self._bound_send_buffer(conn)
             duplex = query.get("duplex", "1").lower()
@@ -121,6 +124,8 @@ class Gateway:
                 why = "this server only speaks the duplex wire (duplex=1)" if duplex in FALSE else f"duplex={duplex!r} is not 1|true|on"
                 return _json(400, {"error": {"type": "invalid_request_error", "code": "bad_request", "message": why}})
             return None  # go on with the WebSocket handshake
+        if path == CLIENT_SECRETS_PATH:
+            return self._client_secret(request)
         if path == "/health":
             state = self.pool.admission_state()
             body = {"status": {"ready": "ok", "draining": "draining", "down": "unavailable"}[state], **self.pool.capacity_summary(),
@@ -140,10 +145,23 @@ class Gateway:
 
     def _authorized(self, request: Request) -> bool:
         key = self.config.api_key
-        if not key:
-            return True
+        return not key or any(auth.accepts(key, c) for c in auth.offered_credentials(request.headers))
+
+    def _unauthorized(self, message: str) -> Response:
+        self.metrics.errors.labels("invalid_request_error", "unauthorized").inc()
+        return _json(401, {"error": {"type": "invalid_request_error", "code": "unauthorized", "message": message}})
+
+    def _client_secret(self, request: Request) -> Response:
+        """Mint a short-lived client secret for a browser. Only the API key itself mints one (a client
+        secret cannot extend itself); with no key configured the secret is accepted but not needed."""
+        if request.method != "POST":
+            return _response(405, b"POST with the API key as bearer token\n", "text/plain; charset=utf-8", [("Allow", "POST")])
+        key = self.config.api_key or ""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        if key and not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
+            return self._unauthorized("minting a client secret needs the API key as bearer token")
+        value, expires_at = auth.mint(key, self.config.client_secret_ttl_s)
+        return _json(200, {"value": value, "expires_at": expires_at})
 
     def _static(self, path: str) -> Response:
         if any(c < " " or c == "\x7f" for c in path):  # NUL and other control characters name no file

@@ -91,6 +91,22 @@ function bytesFromBase64(text) {
   return bytes.buffer;
 }
 
+// A server with an API key: the key (typed here, kept in this tab only) mints a short-lived client
+// secret over fetch, which can send headers; the WebSocket, which cannot, carries that secret as the
+// `openai-insecure-api-key.` subprotocol beside `realtime`, as OpenAI's browser clients do.
+async function socketProtocols() {
+  const key = $("api-key").value.trim();
+  sessionStorage.setItem("personaplex-api-key", key);
+  const reply = await fetch("/v1/realtime/client_secrets", {
+    method: "POST",
+    headers: key ? { Authorization: `Bearer ${key}` } : {},
+  });
+  if (reply.status === 401) throw new Error(key ? "the API key was not accepted" : "this server needs an API key");
+  if (!reply.ok) throw new Error(`the client secret request failed (HTTP ${reply.status})`);
+  const { value } = await reply.json();
+  return ["realtime", `openai-insecure-api-key.${value}`];
+}
+
 function realtimeUrl() {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
   return `${scheme}//${location.host}/v1/realtime?duplex=1`;
@@ -147,9 +163,16 @@ class Conversation {
     if (!this.ended) this.connect();
   }
 
-  connect() {
+  async connect() {
     setState("connecting");
-    this.ws = new WebSocket(realtimeUrl());
+    let protocols;
+    try {
+      protocols = await socketProtocols();
+    } catch (err) {
+      return this.fail(`could not get a client secret: ${err && err.message ? err.message : err}`);
+    }
+    if (this.ended) return;
+    this.ws = new WebSocket(realtimeUrl(), protocols);
     this.ws.onopen = () => {
       setState("opening");
       this.send({
@@ -380,5 +403,6 @@ $("talk").addEventListener("click", () => {
 
 $("stop").addEventListener("click", () => current && current.stop());
 window.addEventListener("pagehide", () => current && current.stop());
+$("api-key").value = sessionStorage.getItem("personaplex-api-key") || "";
 setInterval(render, 100);
 setState("idle");
