@@ -100,7 +100,7 @@ def _ms(x: float) -> float | None:
     return None if x is None or math.isnan(x) else round(x * 1000.0, 2)
 
 
-def _stage_block(before: dict, after: dict, stage: str) -> dict:
+def stage_block(before: dict, after: dict, stage: str) -> dict:
     step = histogram_delta(before, after, "duplex_stage_step_seconds", stage=stage)
     batch = histogram_delta(before, after, "duplex_stage_batch_size", stage=stage)
     gc_full = histogram_delta(before, after, "duplex_stage_gc_pause_seconds", stage=stage, generation="2")
@@ -111,7 +111,7 @@ def _stage_block(before: dict, after: dict, stage: str) -> dict:
             "errors": counter_by_label(before, after, "duplex_stage_errors", "kind", stage=stage)}
 
 
-def _talker_block(before: dict, after: dict) -> dict:
+def talker_block(before: dict, after: dict) -> dict:
     tick = histogram_delta(before, after, "duplex_talker_tick_seconds")
     late = histogram_delta(before, after, "duplex_talker_tick_lateness_seconds")
     return {
@@ -245,9 +245,9 @@ def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: l
     lateness = [x for s in live for x in s["late_s"]]
 
     before, after = snapshots[0][1], snapshots[-1][1]
-    stages = {s: (_stage_block(before[s], after[s], s) if before.get(s) is not None and after.get(s) is not None else None)
+    stages = {s: (stage_block(before[s], after[s], s) if before.get(s) is not None and after.get(s) is not None else None)
               for s in STAGES}
-    talker = _talker_block(before["talker"], after["talker"]) if stages["talker"] is not None else None
+    talker = talker_block(before["talker"], after["talker"]) if stages["talker"] is not None else None
 
     grid = np.arange(0.0, duration_s, 0.5)
     backlog = backlog_series(records, grid)

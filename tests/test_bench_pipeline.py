@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from bench.pipeline import deal_sessions, send_offsets
 from bench.pipeline import main as pipeline_main
 from bench.pipeline_load import probe_frames
-from bench.pipeline_report import (_talker_block, gpu_memory_lines, late_tick_line, probe_summary, slow_intervals,
+from bench.pipeline_report import (talker_block, gpu_memory_lines, late_tick_line, probe_summary, slow_intervals,
                                    stage_timeline, summarize_run)
 from bench.pipeline_stats import (
     SessionRecord,
@@ -294,7 +294,7 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
     m.prefill_pieces.labels(where="step").inc(5)
     snaps.append((1.0, snap()))
     snaps.append((2.0, snap()))  # a quiet second
-    block = _talker_block(snaps[0][1]["talker"], snaps[-1][1]["talker"])
+    block = talker_block(snaps[0][1]["talker"], snaps[-1][1]["talker"])
     assert (block["catch_up_steps"], block["catch_up_steps_forced"], block["ticks_dropped"]) == (3, 2, 1)
     assert block["slow_ticks_by_cause"] == {"catch_up": 2, "late_start": 1}
     assert block["sessions_behind"]["count"] == 4
