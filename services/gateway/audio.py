@@ -38,8 +38,8 @@ def b64decode_strict(text: object, param: str = "audio") -> bytes:
     if not isinstance(text, str):
         raise AudioError("bad_audio", f"'{param}' must be a base64 string", param)
     try:
-        return base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError, ValueError) as e:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError) as e:
         raise AudioError("bad_audio", f"'{param}' is not strict base64: {e}", param) from None
 
 
@@ -69,8 +69,9 @@ def pcm_bytes_to_f32(data: bytes, fmt: str, max_samples: int) -> np.ndarray:
 
 def f32_to_pcm16_bytes(samples: np.ndarray) -> bytes:
     """Float samples in [-1, 1] -> pcm16 LE bytes (clipped; non-finite become 0)."""
-    x = np.nan_to_num(np.asarray(samples, dtype=np.float32), nan=0.0, posinf=0.0, neginf=0.0)
-    return (np.clip(x, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+    x = np.asarray(samples, dtype=np.float32)
+    x = np.where(np.isfinite(x), np.clip(x, -1.0, 1.0), 0.0)  # np.nan_to_num costs 10x more per call
+    return (x * 32767.0).round().astype("<i2").tobytes()
 
 
 def pcm16_bytes_to_f32(data: bytes) -> np.ndarray:
