@@ -71,6 +71,7 @@ class FrontdoorConfig(BenchConfig):
     driver_args: str = "--max-frame-latency-p99-ms 250"  # extra load driver flags: the targets' latency bound
     drain_s: float = 3.0  # the driver's observation window after the last frame
     min_ticks_pct: float = 99.5
+    profile_s: float = 0.0  # > 0: py-spy records each gateway process this long, mid-run (raw stacks in --out)
 
 
 SMOKE = dict(preset="tiny", device="cpu", sessions="3", duration_s=4.0, mps=False, probe_sessions=1, probe_cycle_s=1.5,
@@ -132,6 +133,23 @@ def gateway_pids(gateway: GatewayProcess) -> dict[str, int]:
 def cores_used(before: dict[str, float | None], after: dict[str, float | None], seconds: float) -> dict[str, float]:
     return {name: round((after[name] - before[name]) / seconds, 3) for name in before
             if before[name] is not None and after.get(name) is not None and seconds > 0}
+
+
+def profile_gateway(cfg: FrontdoorConfig, pids: dict[str, int], n: int) -> list[asyncio.Task]:
+    """With --profile-s: py-spy samples every gateway process from a third into the run."""
+    exe = shutil.which("py-spy")
+    if cfg.profile_s <= 0 or exe is None:
+        return []
+
+    async def one(name: str, pid: int) -> None:
+        await asyncio.sleep(cfg.duration_s / 3)
+        path = Path(cfg.out) / f"frontdoor-n{n}-{name}.pyspy.txt"
+        proc = await asyncio.create_subprocess_exec(exe, "record", "-p", str(pid), "-d", str(cfg.profile_s), "-r", "100",
+                                                    "-f", "raw", "-o", str(path), "--nonblocking",
+                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await proc.wait()
+
+    return [asyncio.create_task(one(name, pid)) for name, pid in pids.items() if name.startswith("gateway")]
 
 
 # ---- probes: hang up and call again under load ------------------------------------------------------
@@ -237,6 +255,7 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
         pids = {**{s: p.proc.pid for s, p in procs.items()}, **gateway_pids(gateway)}
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
         next_note = t0 + cfg.progress_every_s
+        profiling = profile_gateway(cfg, pids, n)
         while driver.returncode is None:
             try:
                 await asyncio.wait_for(driver.wait(), 1.0)
@@ -250,6 +269,7 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
                 raise RuntimeError("the load driver did not finish in time")
         elapsed = time.monotonic() - t0
         cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        await asyncio.gather(*profiling, return_exceptions=True)
         after = await asyncio.to_thread(scrape, procs)
     finally:
         stop.set()
