@@ -18,8 +18,9 @@ UNDERRUN_THRESHOLD_S = 0.1
 # Lateness above this re-anchors a session's send schedule (a stall); smaller jitter is absorbed by
 # the absolute schedule. So consecutive sends are never closer than FRAME_PERIOD_S - RESYNC_S.
 RESYNC_S = 0.02
-# `--procs auto`: one driver process per this many sessions, at most one per CPU. One process fell
-# behind at 160 sessions (client real-time factor 1.45: about 110 sessions a core), so 20 leaves headroom.
+# `--procs auto`: one driver process per this many sessions, at most one per CPU. One event loop's send
+# jitter grows with its sessions (own lateness p99 25 ms at 100 sessions, 8 ms at 25 on a 2-core box),
+# so 20 keeps each process well inside the 40 ms validity bound.
 SESSIONS_PER_AUTO_PROC = 20
 
 
