@@ -179,6 +179,15 @@ async def _await_admission(child: Child, timeout_s: float) -> None:
         child.error = f"exited with code {await child.proc.wait()} before admission"
 
 
+async def _send_start(child: Child, start: float) -> None:
+    assert child.proc is not None and child.proc.stdin is not None
+    try:
+        child.proc.stdin.write(f"{start!r}\n".encode())
+        await child.proc.stdin.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        child.error = f"exited with code {await child.proc.wait()} before the start"
+
+
 async def _await_exit(child: Child, timeout_s: float) -> None:
     assert child.proc is not None
     try:
@@ -222,12 +231,11 @@ async def run_procs(config: DriverConfig, procs: int, pcm: np.ndarray, progress=
             await asyncio.gather(*(_await_admission(c, 2 * config.timeout_s + 30) for c in children))
             start = time.monotonic() + PROCS_START_LEAD_S
             for child in (c for c in children if c.admitted):
-                assert child.proc is not None and child.proc.stdin is not None
-                child.proc.stdin.write(f"{start!r}\n".encode())
-                await child.proc.stdin.drain()
+                await _send_start(child, start)
             note(f"{sum(c.admitted for c in children)}/{procs} driver processes admitted their sessions; streaming")
+            # A stream that falls behind re-anchors rather than ends early: allow it twice its length.
             run_timeout_s = stream_s * 2 + config.drain_s + 2 * config.cleanup_timeout_s + config.timeout_s + 30
-            await asyncio.gather(*(_await_exit(c, run_timeout_s) for c in children if c.admitted))
+            await asyncio.gather(*(_await_exit(c, run_timeout_s) for c in children if c.error is None))
         finally:
             if progress is not None:
                 progress.stop()
