@@ -16,6 +16,7 @@ A screenshot of the live page is saved to test-artifacts/browser.png.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -176,10 +177,16 @@ def test_talk_from_the_browser(stack, page):
     page.goto(base + "/")
     assert page.title() == "PersonaPlex: talk"
     assert page.get_attribute("#state", "data-state") == "idle"
+    # The voice list comes from the server (GET /v1/voices): the tiny checkpoint's bundled voices.
+    wait_for(page, "document.getElementById('voice').dataset.loaded === 'true'", 30, "the voice list")
+    options = page.evaluate("[...document.getElementById('voice').options].map((o) => o.value)")
+    assert options == ["NATF2.pt", "NATM1.pt", "VARF0.pt"], options
     assert page.input_value("#voice") == "NATF2.pt"
+    assert page.is_hidden("#enroll")  # this server takes no uploads
 
-    # A voice this server does not have: the refusal arrives as an error in plain words, before any session.
-    page.fill("#voice", "NOSUCH1.pt")
+    # A voice this server does not have (gone since the list loaded): the refusal arrives as an error in
+    # plain words, before any session.
+    choose_unlisted(page, "NOSUCH1.pt")
     page.click("#talk")
     wait_for(page, "document.getElementById('state').dataset.state === 'error'", 30, "the refusal of an unknown voice")
     error = text_of(page, "#error")
@@ -187,14 +194,14 @@ def test_talk_from_the_browser(stack, page):
     assert page.is_enabled("#talk") and not page.is_enabled("#stop")
 
     # A malformed voice name is caught on the page itself, without a connection.
-    page.fill("#voice", "../etc/passwd")
+    choose_unlisted(page, "../etc/passwd")
     page.click("#talk")
     assert "is not a voice name" in text_of(page, "#error")
     assert page.get_attribute("#state", "data-state") == "error"
 
     # Now a real conversation on the same page.
     frames_in_before = metric(base, "gateway_frames_in_total")
-    page.fill("#voice", "NATF2.pt")
+    page.select_option("#voice", "NATF2.pt")
     page.fill("#persona", "You like browsers.")  # the tiny model's 32-frame window fits only a short persona
     t0 = time.monotonic()
     page.click("#talk")
@@ -289,6 +296,59 @@ def test_the_page_talks_to_a_gateway_with_an_api_key(stack, page):
         wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 15, "the session to close")
         # The browser logs each refused client-secret request (the two tries without a good key), nothing else.
         assert [p for p in page.problems if "status of 401" not in p] == [] and len(page.problems) == 2, page.problems
+    finally:
+        gw.stop()
+
+
+def choose_unlisted(page, name: str) -> None:
+    page.evaluate("""(name) => {
+        const list = document.getElementById('voice');
+        list.add(new Option(name, name));
+        list.value = name;
+    }""", name)
+
+
+@pytest.mark.timeout(600)
+def test_enroll_a_voice_from_a_file_and_the_microphone_then_talk_with_it(stack, page, tmp_path):
+    """A gateway with --voice-upload and an API key on the same cell: the page shows the enrollment
+    panel, enrolls a WAV file and then 5 s of its microphone, selects each at once, and talks with it
+    (the key goes with the WebSocket as a subprotocol)."""
+    key = "browser-key-7"
+    gw = GatewayProcess(stack.cell_procs[0].spec, env={"BROWSER_GW_KEY": key}, args=[
+        "--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20", "--api-key-env", "BROWSER_GW_KEY",
+        "--voice-upload", "--voices-dir", str(tmp_path / "voices")]).start()
+    try:
+        page.goto(gw.http_url + "/")
+        wait_for(page, "document.getElementById('voice').dataset.loaded === 'true'", 30, "the voice list")
+        assert page.is_visible("#enroll")
+        page.click("#enroll summary")
+        page.fill("#api-key", "wrong")
+        page.fill("#enroll-name", "fromfile")
+        page.set_input_files("#enroll-file", str(write_speech_like_wav(tmp_path / "me.wav", seconds=2.5)))
+        page.click("#enroll-upload")
+        wait_for(page, "document.getElementById('enroll-status').dataset.state === 'error'", 30, "the wrong key refused")
+        assert "unauthorized" in text_of(page, "#enroll-status")
+        assert page.problems and all("401" in p for p in page.problems), page.problems  # Chromium logs the 401
+        page.problems.clear()
+
+        page.fill("#api-key", key)
+        page.click("#enroll-upload")
+        wait_for(page, "document.getElementById('voice').value === 'fromfile'", 30, "the file's voice selected")
+        assert "fromfile is ready" in text_of(page, "#enroll-status")
+        page.fill("#enroll-name", "frommic")
+        page.click("#enroll-record")
+        wait_for(page, "document.getElementById('voice').value === 'frommic'", 40, "the recorded voice selected")
+        listing = json.loads(urllib.request.urlopen(gw.http_url + "/v1/voices", timeout=10).read())
+        enrolled = {v["name"]: v["seconds"] for v in listing["data"] if v["kind"] == "enrolled"}
+        assert set(enrolled) == {"fromfile", "frommic"} and enrolled["frommic"] >= 4.9, enrolled
+
+        page.fill("#persona", "Hi.")
+        page.click("#talk")
+        wait_for(page, "document.getElementById('state').dataset.state === 'live'", 90, "the session with the new voice")
+        wait_for(page, "Number(document.getElementById('played-frames').textContent) >= 5", 60, "5 frames played")
+        page.click("#stop")
+        wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 30, "the session to close")
+        assert page.problems == [], page.problems
     finally:
         gw.stop()
 

@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as sync_connect
 
 from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
+from services.common import voice_names
 from services.common.errors import ERROR_KIND_KEY
 from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, f32_b64, gateway_metric, stage_counts, tone,
                                        wait_until)
@@ -51,7 +52,7 @@ REFUSED_FEATURES = sorted(KNOWN_EVENTS - {"session.update", "input_audio_buffer.
 SESSION_KEYS = {"type", "model", "modalities", "output_modalities", "input_audio_format", "output_audio_format", "audio",
                 "voice", "instructions", "turn_detection", "extra_body"}
 # The documented voice rule (realtime-protocol.md, talker.proto): a bundled basename, no path, ends in .pt.
-VOICE_RULE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}\.pt$")
+VOICE_RULE = voice_names.BUNDLED  # what the gateway accepts as a bundled name (bare names must be enrolled)
 
 COUNTS: dict[str, int] = {}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API_KEY_ENV = "PERSONAPLEX_GATEWAY_API_KEY"
+TRUTHY = ("1", "true", "yes", "on")
 WORKERS_ENV = "GATEWAY_WORKERS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -129,6 +130,12 @@ class GatewayConfig:
     idle_connection_timeout_s: float = 30.0
     idle_session_timeout_s: float = 30.0
     static_dir: Path = field(default=STATIC_DIR)
+    # Voice enrollment (services/gateway/voices.py): PUT/DELETE /v1/voices/NAME, only with an API key.
+    voice_upload: bool = False
+    voices_dir: str = ""  # enrolled voices ("" = personaplex-gateway-voices in the temp folder)
+    voice_upload_bytes: int = 10 * 1024 * 1024
+    voice_min_seconds: float = 2.0
+    voice_max_seconds: float = 30.0
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "GatewayConfig":
@@ -160,6 +167,10 @@ class GatewayConfig:
                        help="seconds a WebSocket may stay open without a session (env GATEWAY_IDLE_CONNECTION_TIMEOUT_S; 0 = no bound)")
         p.add_argument("--idle-session-timeout", type=float, default=_env_float("GATEWAY_IDLE_SESSION_TIMEOUT_S", d.idle_session_timeout_s),
                        help="seconds a session may go without audio (env GATEWAY_IDLE_SESSION_TIMEOUT_S; 0 = no bound)")
+        p.add_argument("--voice-upload", action="store_true", default=os.environ.get("GATEWAY_VOICE_UPLOAD", "") in TRUTHY,
+                       help="enable PUT/DELETE /v1/voices/NAME (needs the API key; env GATEWAY_VOICE_UPLOAD)")
+        p.add_argument("--voices-dir", default=os.environ.get("GATEWAY_VOICES_DIR", d.voices_dir),
+                       help="folder of enrolled voices, shared by workers and replicas (env GATEWAY_VOICES_DIR)")
         a = p.parse_args(argv)
         cells = parse_cells(a.cells) if a.cells else ()
         if a.cells_file:
@@ -171,6 +182,8 @@ class GatewayConfig:
             workers = parse_workers(a.workers)
         except ValueError:
             p.error(f"--workers (or {WORKERS_ENV}) is a positive integer or 'auto', got {a.workers[:40]!r}")
+        if a.voice_upload and not os.environ.get(a.api_key_env):
+            p.error(f"--voice-upload needs an API key: set {a.api_key_env}")
         ports = tuple(int(x) for x in a.dns_ports.split(","))
         if len(ports) != 3:
             p.error("--dns-ports needs three ports")
@@ -196,4 +209,6 @@ class GatewayConfig:
             static_dir=Path(a.static_dir),
             idle_connection_timeout_s=a.idle_connection_timeout,
             idle_session_timeout_s=a.idle_session_timeout,
+            voice_upload=a.voice_upload,
+            voices_dir=a.voices_dir,
         )

@@ -24,6 +24,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from duplex.v1 import talker_pb2
+from services.common import voice_names
 from services.gateway import audio
 from services.gateway.bounded import OutputQueue, brief
 from services.gateway.pipeline import OpenParams, OutputFrame, PipelineError, open_on_cells
@@ -32,7 +33,6 @@ from services.gateway.realtime import LOGGED_CLIENT_ERRORS, RETRY_LATER, admissi
 log = logging.getLogger("gateway.native")
 
 KIND_HANDSHAKE, KIND_AUDIO, KIND_TEXT, KIND_ERROR = 0, 1, 2, 5
-_VOICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}\.pt$")
 _SEED = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit also takes '²'); below 2**63 is checked too
 
 
@@ -77,14 +77,16 @@ class NativeSession:
         voice = self.query.get("voice_prompt", self.cfg.default_voice)
         persona = self.query.get("text_prompt", self.cfg.default_instructions)
         seed = self.query.get("seed", "0")
-        if voice and not _VOICE.match(voice):
-            return await self._refuse("invalid_request_error", "invalid_voice", f"voice_prompt {brief(voice)} is not a bundled basename such as NATF2.pt", 1008)
+        if voice and not (voice_names.is_bundled(voice) or self.ctx.voices.is_enrolled(voice)):
+            return await self._refuse("invalid_request_error", "invalid_voice", f"voice_prompt {brief(voice)} is not a bundled basename "
+                                      "such as NATF2.pt or an enrolled voice name", 1008)
         if len(persona) > self.cfg.max_instructions_chars or not _SEED.fullmatch(seed) or int(seed) >= 2**63:
             return await self._refuse("invalid_request_error", "bad_event", "text_prompt too long or seed not a non-negative integer", 1008)
         if (refusal := admission_error(self.ctx.pool)) is not None:
             return await self._refuse(refusal.error_type, refusal.code, refusal.message, 1013 if refusal.code in RETRY_LATER else 1011)
         try:
-            params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona, talker_pb2.Sampling(seed=int(seed)))  # noqa: E731
+            voice, audio = self.ctx.voices.for_open(voice)  # an enrolled voice ships its audio
+            params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona, talker_pb2.Sampling(seed=int(seed)), audio)  # noqa: E731
             self._pipeline = await open_on_cells(self.ctx.pool.candidates(), params, open_timeout_s=self.cfg.open_timeout_s,
                                                  stall_timeout_s=self.cfg.stall_timeout_s, cleanup_timeout_s=self.cfg.cleanup_timeout_s)
         except PipelineError as e:

@@ -97,6 +97,7 @@ class OpenParams:
     voice: str
     persona: str
     sampling: talker_pb2.Sampling
+    voice_audio: bytes = b""  # an enrolled voice's samples (services/gateway/voices.py); b"": bundled
 
 
 @dataclass
@@ -312,7 +313,7 @@ class Pipeline:
             "encoder": encoder_pb2.EncodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
             "talker": talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(
                 stream=common_pb2.StreamOpen(stream_id=params.stream_id), voice=params.voice, persona=params.persona,
-                sampling=params.sampling)),
+                sampling=params.sampling, voice_audio=params.voice_audio)),
             "decoder": decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
         }
         for stage, request in opens.items():

@@ -22,19 +22,20 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from duplex.v1 import talker_pb2
+from services.common import voice_names
 from services.gateway import audio
 from services.gateway.bounded import OutputQueue, RecentIds, brief
 from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError, open_on_cells
 
 log = logging.getLogger("gateway.realtime")
 
-_VOICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}\.pt$")
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
 TRUE = ("1", "true", "on", "yes")
 FALSE = ("0", "false", "off", "no")
@@ -97,8 +98,10 @@ def _format_from_ga(fmt: object, where: str) -> str:
     raise ClientError("unsupported_audio_format", f"{where}.type {brief(kind)}: only 'audio/pcm' (pcm16 LE mono) is supported", where)
 
 
-def parse_session_update(session: object, current: SessionSettings, max_instructions: int) -> SessionSettings:
-    """Validate a `session` object whole and return the settings it asks for (nothing is changed on error)."""
+def parse_session_update(session: object, current: SessionSettings, max_instructions: int,
+                         enrolled: Callable[[str], bool] = lambda name: False) -> SessionSettings:
+    """Validate a `session` object whole and return the settings it asks for (nothing is changed on error).
+    enrolled(name): whether a bare voice name is an enrolled voice (services/gateway/voices.py)."""
     if not isinstance(session, dict):
         raise ClientError("bad_event", "'session' must be an object", "session")
     unknown = sorted(set(session) - _SESSION_KEYS)
@@ -142,9 +145,9 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         for k in set(out) - {"format", "voice"}:
             raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts", f"session.audio.output.{k[:64]}")
         if "voice" in out:
-            s = replace(s, voice=_check_voice(out["voice"], "session.audio.output.voice"))
+            s = replace(s, voice=_check_voice(out["voice"], "session.audio.output.voice", enrolled))
     if "voice" in session:
-        s = replace(s, voice=_check_voice(session["voice"], "session.voice"))
+        s = replace(s, voice=_check_voice(session["voice"], "session.voice", enrolled))
     if "instructions" in session:
         text = session["instructions"]
         if not isinstance(text, str) or len(text) > max_instructions:
@@ -155,11 +158,12 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
     return s
 
 
-def _check_voice(voice: object, param: str) -> str:
+def _check_voice(voice: object, param: str, enrolled: Callable[[str], bool]) -> str:
     if voice == "" or voice is None:
         return ""
-    if not isinstance(voice, str) or not _VOICE.match(voice):
-        raise ClientError("invalid_voice", f"voice {brief(voice)} is not a bundled voice basename such as 'NATF2.pt' (no path, ends in .pt)", param)
+    if not (voice_names.is_bundled(voice) or (voice_names.is_enrolled(voice) and enrolled(voice))):
+        raise ClientError("invalid_voice", f"voice {brief(voice)} is not a voice name: a bundled basename such as 'NATF2.pt' "
+                          "(no path) or an enrolled name (GET /v1/voices)", param)
     return voice
 
 
@@ -466,7 +470,8 @@ class RealtimeSession:
         cells = self.ctx.pool.candidates()
         if prefer is not None:
             cells = [prefer] + [c for c in cells if c is not prefer]
-        params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", settings.voice, settings.instructions, settings.sampling())  # noqa: E731
+        voice, audio = self.ctx.voices.for_open(settings.voice)  # an enrolled voice ships its audio
+        params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, settings.instructions, settings.sampling(), audio)  # noqa: E731
         if (refusal := admission_error(self.ctx.pool)) is not None:
             raise refusal
         return await open_on_cells(cells, params, open_timeout_s=self.cfg.open_timeout_s, stall_timeout_s=self.cfg.stall_timeout_s,
@@ -488,7 +493,8 @@ class RealtimeSession:
     async def _on_session_update(self, event: dict) -> None:
         if self.st.closing:
             raise ClientError("bad_event", "the session is closing")
-        new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars)
+        new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars,
+                                   self.ctx.voices.is_enrolled)
         client_event_id = event["event_id"] if isinstance(event.get("event_id"), str) else None
         if self.st.pipeline is None:
             await self._open(new, client_event_id)

@@ -6,6 +6,7 @@
     /health        readiness: 200 when some cell is serving and not draining, else 503 (body says why)
     /health/live   liveness: 200 while the process answers (a cell outage must not restart the gateway)
     /metrics       Prometheus text format
+    /v1/voices     the voice list; with --voice-upload, PUT/DELETE /v1/voices/NAME (voices.py)
     /              the browser page: files of the static folder (index.html at /)
 
 With `--workers N` each worker process runs one Gateway on its own listening socket of the shared
@@ -35,6 +36,8 @@ from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.native import NativeSession
 from services.gateway.realtime import FALSE, TRUE, RealtimeSession
+from services.gateway.voices import PREFIX as VOICES_PREFIX
+from services.gateway.voices import Voices, accept_voice_uploads
 
 log = logging.getLogger("gateway.server")
 
@@ -76,6 +79,7 @@ class Gateway:
         self._listen_socket = listen_socket
         self.metrics = GatewayMetrics(worker, metrics_dir)
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
+        self.voices = Voices(config, self.pool)
         self.server: Server | None = None
 
     @property
@@ -96,6 +100,7 @@ class Gateway:
             max_queue=4,  # received messages waiting for a session's reader: at most 4 x max_size bytes
             select_subprotocol=auth.select_subprotocol,
             server_header="personaplex-gateway",
+            create_connection=accept_voice_uploads(self.config.voice_upload_bytes),
         )
         log.info("gateway%s listening on http://%s:%d (%d cell(s) configured%s)",
                  f" worker {self.worker}" if self.config.workers > 1 else "", self.config.host, self.port,
@@ -134,6 +139,8 @@ class Gateway:
             return _json(200 if state == "ready" else 503, body)
         if path == "/health/live":
             return _json(200, {"status": "alive"})
+        if path == VOICES_PREFIX or path.startswith(VOICES_PREFIX + "/"):
+            return self.voices.handle(request)
         if path == "/metrics":
             return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
         return self._static(path)

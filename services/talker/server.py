@@ -211,6 +211,10 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
         except InvalidVoice as e:
             raise InvalidArgument(f"voice {name[:64]!r}: {e}", kind="bad_voice") from None
 
+    async def ListVoices(self, request, context):
+        voices = await asyncio.to_thread(self.recorder.bundled)
+        return talker_pb2.VoiceList(voices=[talker_pb2.VoiceInfo(name=n, seconds=s) for n, s in voices])
+
     async def TalkLink(self, request_iterator, context):
         await serve_link(self.runtime, context, talker_pb2.TalkLinkResponse, lambda port: self.Talk(None, port))
 

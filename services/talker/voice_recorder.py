@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 import numpy as np
+import sphn
 import torch
 
 from services.common import voice_audio, voice_names
@@ -86,7 +87,27 @@ class VoiceRecorder:
         self.cache_dir = Path(cache_dir)
         self.max_seconds = max_seconds
         self._mimi = None
+        self._bundled: list[tuple[str, float]] | None = None
         self._pending: dict[str, asyncio.Future] = {}  # key -> the recording in flight (one per voice)
+
+    def bundled(self) -> list[tuple[str, float]]:
+        """(name, seconds) of every voice in the checkpoint's voices/ folder; unreadable files are left out."""
+        if self._bundled is None:
+            out = []
+            for name in self.paths.voice_names():
+                path = self.paths.voices_dir / name
+                try:
+                    if voice_names.is_audio(name):
+                        seconds = float(sphn.durations([str(path)])[0])
+                    else:
+                        emb = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["embeddings"]
+                        seconds = (emb.shape[0] + 1) * voice_audio.FRAME_SAMPLES / voice_audio.SAMPLE_RATE
+                except Exception as e:  # listed, never served: the talker refuses it on open with the reason
+                    log.warning("voice %s is unreadable (%s): not listed", name, type(e).__name__)
+                    continue
+                out.append((name, round(seconds, 2)))
+            self._bundled = out
+        return self._bundled
 
     async def resolve(self, name: str | None, pcm: np.ndarray | None = None) -> str | None:
         """The engine's key for a session's voice, recording it first if needed. InvalidVoice (with a

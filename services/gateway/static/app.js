@@ -107,6 +107,124 @@ async function socketProtocols() {
   return ["realtime", `openai-insecure-api-key.${value}`];
 }
 
+function authHeaders() {
+  const key = $("api-key").value.trim();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+const VOICE_NAME = /^([A-Za-z0-9][A-Za-z0-9_-]{0,63}\.(pt|wav|flac|mp3|ogg)|[A-Za-z0-9_-]{1,64})$/;
+
+// ---- voices: the list from GET /v1/voices, and enrollment when the server allows it --------
+
+async function loadVoices(select) {
+  const list = $("voice");
+  let reply;
+  try {
+    const r = await fetch("/v1/voices", { cache: "no-store" });
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    reply = await r.json();
+  } catch (err) {
+    showError(`the voice list could not be loaded (${err.message || err}): NATF2.pt is offered`);
+    return;
+  }
+  const want = select || list.value;
+  list.textContent = "";
+  for (const v of reply.data) {
+    const option = document.createElement("option");
+    option.value = v.name;
+    option.textContent = `${v.name} (${v.kind === "enrolled" ? "yours" : "bundled"}, ${v.seconds.toFixed(1)} s)`;
+    option.dataset.kind = v.kind;
+    list.append(option);
+  }
+  const names = reply.data.map((v) => v.name);
+  list.value = names.includes(want) ? want : names.includes("NATF2.pt") ? "NATF2.pt" : names[0] || "";
+  list.dataset.loaded = "true";
+  $("enroll").hidden = !reply.upload;
+}
+
+function enrollStatus(text, failed = false) {
+  const el = $("enroll-status");
+  el.textContent = text;
+  el.dataset.state = failed ? "error" : "ok";
+}
+
+async function enroll(blob) {
+  const name = $("enroll-name").value.trim();
+  if (!/^[A-Za-z0-9_-]{1,64}$/.test(name)) return enrollStatus("a name is 1 to 64 letters, digits, _ or -", true);
+  enrollStatus(`uploading ${(blob.size / 1024).toFixed(0)} KiB …`);
+  let r, reply;
+  try {
+    r = await fetch(`/v1/voices/${name}`, { method: "PUT", body: blob, headers: authHeaders() });
+    reply = await r.json();
+  } catch (err) {
+    return enrollStatus(`the upload failed: ${err.message || err}`, true);
+  }
+  if (!r.ok) {
+    const e = reply.error || {};
+    return enrollStatus(`refused (${e.code || r.status}): ${e.message || ""}`, true);
+  }
+  await loadVoices(reply.name);
+  enrollStatus(`${reply.name} is ready (${reply.seconds.toFixed(1)} s): press Talk`);
+}
+
+function wavFromPcm16(chunks, rate) {
+  const samples = chunks.reduce((n, c) => n + c.byteLength / 2, 0);
+  const out = new DataView(new ArrayBuffer(44 + 2 * samples));
+  const text = (at, s) => [...s].forEach((ch, i) => out.setUint8(at + i, ch.charCodeAt(0)));
+  text(0, "RIFF"); out.setUint32(4, 36 + 2 * samples, true); text(8, "WAVEfmt ");
+  out.setUint32(16, 16, true); out.setUint16(20, 1, true); out.setUint16(22, 1, true);
+  out.setUint32(24, rate, true); out.setUint32(28, 2 * rate, true); out.setUint16(32, 2, true); out.setUint16(34, 16, true);
+  text(36, "data"); out.setUint32(40, 2 * samples, true);
+  let at = 44;
+  for (const c of chunks) {
+    new Uint8Array(out.buffer, at, c.byteLength).set(new Uint8Array(c));
+    at += c.byteLength;
+  }
+  return new Blob([out.buffer], { type: "audio/wav" });
+}
+
+// The microphone through the page's own 24 kHz capture worklet, as a WAV.
+async function recordSeconds(seconds) {
+  const ctx = new AudioContext();
+  await ctx.audioWorklet.addModule("worklets.js");
+  const stream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true } });
+  const mic = new AudioWorkletNode(ctx, "mic-capture", { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1] });
+  const mute = ctx.createGain();
+  mute.gain.value = 0;
+  ctx.createMediaStreamSource(stream).connect(mic).connect(mute).connect(ctx.destination);
+  const chunks = [];
+  const wanted = Math.ceil((seconds * 1000) / FRAME_MS);
+  await new Promise((done) => {
+    mic.port.onmessage = (e) => {
+      chunks.push(e.data.pcm);
+      enrollStatus(`recording … ${((chunks.length * FRAME_MS) / 1000).toFixed(1)} s`);
+      if (chunks.length >= wanted) done();
+    };
+    ctx.resume();
+  });
+  stream.getTracks().forEach((t) => t.stop());
+  await ctx.close();
+  return wavFromPcm16(chunks, WIRE_RATE);
+}
+
+$("enroll-upload").addEventListener("click", () => {
+  const file = $("enroll-file").files[0];
+  if (!file) return enrollStatus("choose an audio file first", true);
+  enroll(file);
+});
+
+$("enroll-record").addEventListener("click", async () => {
+  if (!window.isSecureContext || !navigator.mediaDevices) return enrollStatus("recording needs a secure page (https or localhost)", true);
+  $("enroll-record").disabled = true;
+  try {
+    await enroll(await recordSeconds(5));
+  } catch (err) {
+    enrollStatus(`recording failed: ${err.message || err}`, true);
+  } finally {
+    $("enroll-record").disabled = false;
+  }
+});
+
 function realtimeUrl() {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
   return `${scheme}//${location.host}/v1/realtime?duplex=1`;
@@ -379,9 +497,9 @@ function onConversationEnded(conv) {
 $("talk").addEventListener("click", () => {
   if (current) return;
   const voice = $("voice").value.trim();
-  if (!/^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.pt$/.test(voice)) {
+  if (!VOICE_NAME.test(voice)) {
     clearError();
-    showError(`"${voice}" is not a voice name: use a bundled voice file name such as NATF2.pt`);
+    showError(`"${voice}" is not a voice name: pick one from the list`);
     return;
   }
   clearError();
@@ -406,3 +524,4 @@ window.addEventListener("pagehide", () => current && current.stop());
 $("api-key").value = sessionStorage.getItem("personaplex-api-key") || "";
 setInterval(render, 100);
 setState("idle");
+loadVoices();
