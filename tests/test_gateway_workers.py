@@ -270,21 +270,31 @@ def test_a_crash_loop_stops_the_gateway_loudly(stack):
         extra.stop()
 
 
-def test_zz_sigterm_stops_every_worker_and_removes_the_metrics_dir(stack):
+async def test_zz_ctrl_c_under_a_launcher_drains_every_worker_and_removes_the_metrics_dir(stack):
     g = stack.gateway
     procs = children(g.proc.pid)
-    workers = list(worker_pids(g).values())
-    assert set(workers) <= set(procs)
+    workers = worker_pids(g)
+    assert set(workers.values()) <= set(procs)
     pairs = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
     environ = dict(kv.split(b"=", 1) for kv in pairs if b"=" in kv)
     metrics_dir = Path(environ[b"PROMETHEUS_MULTIPROC_DIR"].decode())
     assert metrics_dir.is_dir() and any(metrics_dir.glob("*.db"))
+    sessions = [await RT.connect(g.ws_url) for _ in range(SLOTS)]
+    assert [(await rt.open())["type"] for rt in sessions] == ["session.created"] * SLOTS
+    # Ctrl-C reaches the supervisor, then its launcher's SIGTERM: one stop, the workers drain.
+    g.proc.send_signal(signal.SIGINT)
     g.proc.send_signal(signal.SIGTERM)
-    assert g.proc.wait(30) == 0, g.log_tail()
+    for rt in sessions:
+        await asyncio.wait_for(rt.ws.wait_closed(), 30)
+        assert rt.ws.close_code == 1001, rt.ws.close_code  # "going away", as a lone gateway closes
+    assert await asyncio.to_thread(g.proc.wait, 30) == 0, g.log_tail()
     assert all_gone(procs), [Path(f"/proc/{p}/cmdline").read_bytes() for p in procs if alive(p)]
     assert not metrics_dir.exists()
     log = g.log_tail()
-    assert "worker 0" in log and "worker 1" in log and "gateway stopped" in log
+    for i, pid in workers.items():
+        assert f"worker {i} (pid {pid}) exited with code 0" in log, log
+    assert "killing" not in log and "gateway stopped" in log
+    assert await eventually(lambda: stage_load(stack) == {"encoder": 0, "talker": 0, "decoder": 0}), stage_load(stack)
 
 
 # ---- auto --------------------------------------------------------------------------------------

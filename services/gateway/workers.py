@@ -10,7 +10,9 @@ the same user could join the port the same way; run the gateway as its own user.
 
 Supervision.
 - SIGTERM or SIGINT: the parent closes its copies of the sockets and forwards SIGTERM to every worker, which
-  closes its sessions as a lone gateway does; the parent exits 0 when all have. A second signal: SIGKILL.
+  closes its sessions as a lone gateway does; the parent exits 0 when all have. Another signal more than
+  REPEAT_S later kills the workers (SIGKILL); one sooner is the same request arriving twice (Ctrl-C reaches
+  the whole process group, and a launcher such as run_stack then sends its own SIGTERM).
 - A worker that exits while the parent is not stopping is restarted on its socket. Its sessions are gone:
   their clients see the connection drop, and each stage frees the slots when the worker's gRPC
   connections close. A crash loop (more than MAX_RESTARTS within RESTART_WINDOW_S) stops every worker and
@@ -48,6 +50,7 @@ log = logging.getLogger("gateway.workers")
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+REPEAT_S = 1.0
 LISTEN_BACKLOG = 100  # asyncio's create_server default, as a lone gateway listens
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -104,7 +107,8 @@ class _Supervisor:
         self.spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of grpc's state is forked
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self.restarts: collections.deque[float] = collections.deque()
-        self.signals = 0
+        self.first_signal_at: float | None = None
+        self.kill_requested = False
         self.stopping = self.killing = False
         self.exit_code = 0
 
@@ -128,11 +132,11 @@ class _Supervisor:
                             break
                     except BlockingIOError:
                         break
-                if self.signals >= 2 and not self.killing:
+                if self.kill_requested and not self.killing:
                     log.warning("second signal: killing the workers")
                     self.killing = True
                     self._stop(signal.SIGKILL)
-                elif self.signals and not self.stopping:
+                elif self.first_signal_at is not None and not self.stopping:
                     log.info("stopping: %d workers close their sessions", len(self.procs))
                     self._stop(signal.SIGTERM)
                 self._reap()
@@ -144,7 +148,11 @@ class _Supervisor:
         return self.exit_code
 
     def _on_signal(self, signum, frame) -> None:
-        self.signals += 1
+        now = time.monotonic()
+        if self.first_signal_at is None:
+            self.first_signal_at = now
+        elif now - self.first_signal_at > REPEAT_S:
+            self.kill_requested = True
 
     def _start(self, i: int) -> None:
         p = self.spawn.Process(target=run_worker, name=f"gateway-worker-{i}",
