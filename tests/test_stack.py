@@ -77,7 +77,8 @@ class RunStack:
     def pid_of(self, cell: int, stage: str) -> int:
         port = self.stages[(cell, stage)].rsplit(":", 1)[1]
         for pid in _children(self.proc.pid):
-            if f"services.{stage} --port {port} " in _cmdline(pid):
+            cmd = _cmdline(pid)
+            if f"services.{stage} " in cmd and f" --port {port} " in cmd:
                 return pid
         raise AssertionError(f"no process for cell {cell} {stage}")
 
