@@ -337,7 +337,8 @@ def test_enroll_a_voice_from_a_file_and_the_microphone_then_talk_with_it(stack, 
         page.fill("#enroll-name", "fromfile")
         page.set_input_files("#enroll-file", str(write_speech_like_wav(tmp_path / "me.wav", seconds=2.5)))
         page.click("#enroll-upload")
-        wait_for(page, "document.getElementById('enroll-status').dataset.state === 'error'", 30, "the wrong key refused")
+        wait_for(page, "document.getElementById('enroll-status').dataset.state === 'error'", 30,
+                 "the wrong key refused")
         assert "unauthorized" in text_of(page, "#enroll-status")
         assert page.problems and all("401" in p for p in page.problems), page.problems  # Chromium logs the 401
         page.problems.clear()
@@ -355,7 +356,8 @@ def test_enroll_a_voice_from_a_file_and_the_microphone_then_talk_with_it(stack, 
 
         page.fill("#persona", "Hi.")
         page.click("#talk")
-        wait_for(page, "document.getElementById('state').dataset.state === 'live'", 90, "the session with the new voice")
+        wait_for(page, "document.getElementById('state').dataset.state === 'live'", 90,
+                 "the session with the new voice")
         wait_for(page, "Number(document.getElementById('played-frames').textContent) >= 5", 60, "5 frames played")
         page.click("#stop")
         wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 30, "the session to close")

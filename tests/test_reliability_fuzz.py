@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 import shutil
 import urllib.parse
 

@@ -78,15 +78,16 @@ class NativeSession:
         persona = self.query.get("text_prompt", self.cfg.default_instructions)
         seed = self.query.get("seed", "0")
         if voice and not (voice_names.is_bundled(voice) or self.ctx.voices.is_enrolled(voice)):
-            return await self._refuse("invalid_request_error", "invalid_voice", f"voice_prompt {brief(voice)} is not a bundled basename "
-                                      "such as NATF2.pt or an enrolled voice name", 1008)
+            why = f"voice_prompt {brief(voice)} is not a bundled basename such as NATF2.pt or an enrolled voice name"
+            return await self._refuse("invalid_request_error", "invalid_voice", why, 1008)
         if len(persona) > self.cfg.max_instructions_chars or not _SEED.fullmatch(seed) or int(seed) >= 2**63:
             return await self._refuse("invalid_request_error", "bad_event", "text_prompt too long or seed not a non-negative integer", 1008)
         if (refusal := admission_error(self.ctx.pool)) is not None:
             return await self._refuse(refusal.error_type, refusal.code, refusal.message, 1013 if refusal.code in RETRY_LATER else 1011)
         try:
             voice, audio = self.ctx.voices.for_open(voice)  # an enrolled voice ships its audio
-            params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona, talker_pb2.Sampling(seed=int(seed)), audio)  # noqa: E731
+            params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona,  # noqa: E731
+                                        talker_pb2.Sampling(seed=int(seed)), audio)
             self._pipeline = await open_on_cells(self.ctx.pool.candidates(), params, open_timeout_s=self.cfg.open_timeout_s,
                                                  stall_timeout_s=self.cfg.stall_timeout_s, cleanup_timeout_s=self.cfg.cleanup_timeout_s)
         except PipelineError as e:

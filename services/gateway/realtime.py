@@ -162,8 +162,8 @@ def _check_voice(voice: object, param: str, enrolled: Callable[[str], bool]) -> 
     if voice == "" or voice is None:
         return ""
     if not (voice_names.is_bundled(voice) or (voice_names.is_enrolled(voice) and enrolled(voice))):
-        raise ClientError("invalid_voice", f"voice {brief(voice)} is not a voice name: a bundled basename such as 'NATF2.pt' "
-                          "(no path) or an enrolled name (GET /v1/voices)", param)
+        raise ClientError("invalid_voice", f"voice {brief(voice)} is not a voice: a bundled basename such as "
+                          "'NATF2.pt' (no path) or an enrolled name (GET /v1/voices)", param)
     return voice
 
 
@@ -471,7 +471,8 @@ class RealtimeSession:
         if prefer is not None:
             cells = [prefer] + [c for c in cells if c is not prefer]
         voice, audio = self.ctx.voices.for_open(settings.voice)  # an enrolled voice ships its audio
-        params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, settings.instructions, settings.sampling(), audio)  # noqa: E731
+        params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice,  # noqa: E731
+                                    settings.instructions, settings.sampling(), audio)
         if (refusal := admission_error(self.ctx.pool)) is not None:
             raise refusal
         return await open_on_cells(cells, params, open_timeout_s=self.cfg.open_timeout_s, stall_timeout_s=self.cfg.stall_timeout_s,

@@ -172,8 +172,13 @@ function wavFromPcm16(chunks, rate) {
   const out = new DataView(new ArrayBuffer(44 + 2 * samples));
   const text = (at, s) => [...s].forEach((ch, i) => out.setUint8(at + i, ch.charCodeAt(0)));
   text(0, "RIFF"); out.setUint32(4, 36 + 2 * samples, true); text(8, "WAVEfmt ");
-  out.setUint32(16, 16, true); out.setUint16(20, 1, true); out.setUint16(22, 1, true);
-  out.setUint32(24, rate, true); out.setUint32(28, 2 * rate, true); out.setUint16(32, 2, true); out.setUint16(34, 16, true);
+  out.setUint32(16, 16, true); // fmt chunk: PCM, mono, `rate` Hz, 16 bits
+  out.setUint16(20, 1, true);
+  out.setUint16(22, 1, true);
+  out.setUint32(24, rate, true);
+  out.setUint32(28, 2 * rate, true);
+  out.setUint16(32, 2, true);
+  out.setUint16(34, 16, true);
   text(36, "data"); out.setUint32(40, 2 * samples, true);
   let at = 44;
   for (const c of chunks) {
@@ -188,7 +193,9 @@ async function recordSeconds(seconds) {
   const ctx = new AudioContext();
   await ctx.audioWorklet.addModule("worklets.js");
   const stream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true } });
-  const mic = new AudioWorkletNode(ctx, "mic-capture", { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1] });
+  const mic = new AudioWorkletNode(ctx, "mic-capture", {
+    numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1],
+  });
   const mute = ctx.createGain();
   mute.gain.value = 0;
   ctx.createMediaStreamSource(stream).connect(mic).connect(mute).connect(ctx.destination);
@@ -214,7 +221,9 @@ $("enroll-upload").addEventListener("click", () => {
 });
 
 $("enroll-record").addEventListener("click", async () => {
-  if (!window.isSecureContext || !navigator.mediaDevices) return enrollStatus("recording needs a secure page (https or localhost)", true);
+  if (!window.isSecureContext || !navigator.mediaDevices) {
+    return enrollStatus("recording needs a secure page (https or localhost)", true);
+  }
   $("enroll-record").disabled = true;
   try {
     await enroll(await recordSeconds(5));
