@@ -85,7 +85,7 @@ class NativeSession:
         if (refusal := admission_error(self.ctx.pool)) is not None:
             return await self._refuse(refusal.error_type, refusal.code, refusal.message, 1013 if refusal.code in RETRY_LATER else 1011)
         try:
-            voice, audio = self.ctx.voices.for_open(voice)  # an enrolled voice ships its audio
+            voice, audio = await asyncio.to_thread(self.ctx.voices.for_open, voice)  # enrolled: ships its audio
             params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona,  # noqa: E731
                                         talker_pb2.Sampling(seed=int(seed)), audio)
             self._pipeline = await open_on_cells(self.ctx.pool.candidates(), params, open_timeout_s=self.cfg.open_timeout_s,

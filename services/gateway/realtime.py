@@ -470,7 +470,7 @@ class RealtimeSession:
         cells = self.ctx.pool.candidates()
         if prefer is not None:
             cells = [prefer] + [c for c in cells if c is not prefer]
-        voice, audio = self.ctx.voices.for_open(settings.voice)  # an enrolled voice ships its audio
+        voice, audio = await asyncio.to_thread(self.ctx.voices.for_open, settings.voice)  # enrolled: ships its audio
         params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice,  # noqa: E731
                                     settings.instructions, settings.sampling(), audio)
         if (refusal := admission_error(self.ctx.pool)) is not None:
