@@ -25,8 +25,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as sync_connect
 
 from services.gateway.bounded import OutputQueue, RecentIds, brief
-from tests.reliability_helpers import (Feeder, SyncRT, append, gateway_metric, http_get, rss_mb, stage_counts, tone,
-                                       wait_until)
+from tests.reliability_helpers import (Feeder, SyncRT, append, async_wait_until, gateway_metric, http_get, rss_mb,
+                                       stage_counts, tone, wait_until)
 from tools.run_stack import Stack
 
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
@@ -601,3 +601,73 @@ def test_api_key_over_the_wire_header_subprotocol_and_client_secret(stack, feede
         gw.stop()
     feeder.check_alive(1)
     assert_back_to_baseline(stack, baseline)
+
+
+# ---- one session's failure never touches another --------------------------------------------------
+
+async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny_checkpoint):
+    """Four sessions on one cell through the gateway's Pipeline (one shared link per stage): one
+    floods its input past a stage's per-session bound (the incident's RESOURCE_EXHAUSTED), the
+    other three are paced. The flooder fails alone, with its own typed talker error; the three keep
+    getting frames (no error, no "RPC already finished"), close with confirmed cleanup, and every
+    slot comes back."""
+    from duplex.v1 import talker_pb2
+    from services.gateway.cells import CellPool
+    from services.gateway.config import GatewayConfig, parse_cells
+    from services.gateway.pipeline import OpenParams, open_on_cells
+
+    with Stack(tiny_checkpoint, sessions=4) as stack:
+        pool = CellPool(GatewayConfig(cells=parse_cells(stack.cell_procs[0].spec)))
+        await pool.start()
+        await pool.wait_first_poll()
+        opened = []
+        try:
+            for i in range(4):
+                params = lambda i=i: OpenParams(f"iso-{i}", "", "You are calm.", talker_pb2.Sampling(seed=i + 1))  # noqa: E731
+                opened.append(await open_on_cells(pool.candidates(), params, open_timeout_s=120, stall_timeout_s=30,
+                                                  cleanup_timeout_s=20))
+            flooder, healthy = opened[0], opened[1:]
+            errors: dict[int, list] = {i: [] for i in range(4)}
+            outputs = {i: 0 for i in range(4)}
+            for i, p in enumerate(opened):
+                p.on_error = errors[i].append
+                p.on_output = lambda f, i=i: outputs.__setitem__(i, outputs[i] + 1)
+            x = tone(400, 200)
+            frames = [x[k * 1920 : (k + 1) * 1920] for k in range(400)]
+
+            async def paced(p, n: int) -> None:
+                t0 = time.monotonic()
+                for k in range(n):
+                    await p.send_frame(frames[k])
+                    await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.08 - time.monotonic()))
+
+            async def flood() -> None:
+                for k in range(400):  # 32 s of input at once: far past the talker's 2 s backlog bound
+                    if flooder.failed:
+                        return
+                    try:
+                        await flooder.send_frame(frames[k])
+                    except Exception:
+                        return
+
+            pace = [asyncio.create_task(paced(p, 60)) for p in healthy]
+            await asyncio.sleep(0.5)
+            await flood()
+            assert await async_wait_until(lambda: flooder.failed is not None, 30), "the flooder never failed"
+            at_failure = dict(outputs)
+            await asyncio.gather(*pace)
+            err = flooder.failed
+            # The first stage whose per-session input bound it overran (the link's inbox or the talker's backlog).
+            assert err.stage in ("encoder", "talker") and "RESOURCE_EXHAUSTED" in err.message, (err.code, err.stage, err.message)
+            assert errors[0] == [err]
+            for i in (1, 2, 3):
+                assert errors[i] == [], (i, [(e.code, e.message) for e in errors[i]])
+                assert outputs[i] - at_failure[i] >= 10, (i, at_failure, outputs)  # still flowing after the failure
+            assert [await p.close() for p in healthy] == [True, True, True]
+            await flooder.abort()
+        finally:
+            for p in opened:
+                await p.abort()
+            await pool.stop()
+        assert wait_until(lambda: all(free == 4 and active == 0 for free, active in stage_counts(stack).values()), 30), \
+            stage_counts(stack)

@@ -27,8 +27,8 @@ from websockets.sync.client import connect as sync_connect
 from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common import voice_names
 from services.common.errors import ERROR_KIND_KEY
-from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, f32_b64, gateway_metric, stage_counts, tone,
-                                       wait_until)
+from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, f32_b64, gateway_metric, rss_mb, stage_counts,
+                                       tone, wait_until)
 from tools.run_stack import Stack
 
 # A generous talker backlog: on a loaded 2-core machine the tiny talker can fall seconds behind,
@@ -311,6 +311,115 @@ def test_after_fuzzing_the_session_still_works_and_nothing_leaked(stack, feeder,
     feeder.check_alive(2)
     closed = fuzz_session.close()
     assert closed["frames_in"] == fuzz_session.sent >= closed["frames_out"] > 0, (closed, fuzz_session.sent)
+    assert closed["cleanup_confirmed"] is True
+    assert_nothing_leaked(stack, baseline)
+
+
+# ---- hostile sizes: huge strings in every string field, big numbers, deep nesting ------------------
+
+HUGE = (10_000, 300_000, 1_500_000)  # characters; the largest still fits the 2 MB message bound as UTF-8
+HUGE_CHARS = ("a", "é", "\x00", "\"", "\u2028")
+SHORT_REPLY = 2_000  # an error event about a hostile value stays this small, whatever the value's size
+
+# A field of an otherwise good event -> the error code a hostile (wrong type / huge) value there gets.
+# Session fields are checked before the session's lock, so a live session judges them the same way.
+HOSTILE_FIELDS = {
+    ("input_audio_buffer.append", "audio"): "bad_audio",
+    ("input_audio_buffer.append", "format"): "unsupported_audio_format",
+    ("input_audio_buffer.append", "sample_rate_hz"): "unsupported_audio_format",
+    ("input_audio_buffer.append", "operation_id"): "bad_event",
+    ("session.update", "session"): "bad_event",
+    ("session.update", "session.voice"): "invalid_voice",
+    ("session.update", "session.instructions"): "bad_event",
+    ("session.update", "session.type"): "bad_event",
+    ("session.update", "session.input_audio_format"): "unsupported_audio_format",
+    ("session.update", "session.audio.input.format.type"): "unsupported_audio_format",
+    ("session.update", "session.audio.input.format.rate"): "unsupported_audio_format",
+    ("session.update", "session.extra_body.seed"): "bad_event",
+}
+PLACEHOLDER = "@@HOSTILE@@"
+
+
+def _with_field(type_: str, path: str) -> dict:
+    """A good event of `type_` whose field at `path` (dots) holds the placeholder."""
+    ev: dict = {"type": type_, "audio": f32_b64(np.full(10, 0.1, np.float32))} if type_.startswith("input") else {"type": type_}
+    keys = path.split(".")
+    node = ev
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = PLACEHOLDER
+    return ev
+
+
+@st.composite
+def hostile_sizes(draw):
+    """One hostile value in one field: a huge string (every string field, also type and event_id, and
+    unknown keys), a huge or extreme number (digits past the parser's 4300 limit are invalid JSON), or
+    deep nesting (past the parser's depth: invalid JSON). Returns (message text, codes)."""
+    kind = draw(st.sampled_from(["string", "number", "nesting"]))
+    (type_, path), code = draw(st.sampled_from(sorted(HOSTILE_FIELDS.items())))
+    if kind == "string":
+        n, ch = draw(st.sampled_from(HUGE)), draw(st.sampled_from(HUGE_CHARS))
+        where = draw(st.sampled_from(["field", "type", "event_id", "key"]))
+        value = json.dumps(ch * n, ensure_ascii=draw(st.booleans()))
+        if len(value.encode()) > MAX_MESSAGE_BYTES - 1000:  # "\u00e9" * 1.5 M: keep under the message bound
+            value = json.dumps(ch * (n // 8), ensure_ascii=True)
+        if where == "type":
+            return json.dumps({"type": PLACEHOLDER}).replace(f'"{PLACEHOLDER}"', value), {"unknown_event"}
+        if where == "event_id":
+            return json.dumps({"type": "session.heartbeat", "event_id": PLACEHOLDER}).replace(f'"{PLACEHOLDER}"', value), {"bad_event"}
+        if where == "key" and type_ == "session.update":
+            return '{"type": "session.update", "session": {' + value + ': 1}}', {"bad_event"}
+        if path == "audio":  # never valid base64 ("aaaa..." is: a real packet, no error)
+            value = json.dumps("!" + ch * n if len(value) < MAX_MESSAGE_BYTES // 2 else "!" + ch * (n // 8))
+        return json.dumps(_with_field(type_, path)).replace(f'"{PLACEHOLDER}"', value), {code}
+    if kind == "number":
+        digits = draw(st.sampled_from([20, 400, 4300, 4301, 100_000]))
+        number = draw(st.sampled_from(["", "-"])) + "9" * digits + draw(st.sampled_from(["", ".5", "e999", "e-999"]))
+        if "." in number or "e" in number or digits <= 4300:
+            codes = {code, "invalid_json"}  # a float (inf, 0.0, huge) or a legal integer: judged as the field
+        else:
+            codes = {"invalid_json"}  # an integer over the digit limit
+        if path == "session.extra_body.seed" and "e-999" in number:
+            codes = {code}  # 0.0 is not an integer seed
+        return json.dumps(_with_field(type_, path)).replace(f'"{PLACEHOLDER}"', number), codes
+    depth = draw(st.sampled_from([50, 500, 5_000, 200_000]))
+    opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+    nested = opener * depth + "1" + closer * depth
+    return json.dumps(_with_field(type_, path)).replace(f'"{PLACEHOLDER}"', nested), {code, "invalid_json"}
+
+
+@pytest.fixture(scope="module")
+def hostile_session(stack, feeder):
+    s = FuzzSession(stack.gateway.ws_url)
+    s.good_append()
+    yield s
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=hostile_sizes())
+def test_huge_strings_big_numbers_and_deep_nesting_get_short_typed_errors(stack, feeder, baseline, hostile_session, case):
+    """Each hostile size is one short `invalid_request_error` (the value is never echoed whole) and
+    the session goes on; memory and other sessions are checked by the next test."""
+    message, codes = case
+    hostile_session.rt.send(message)
+    ev = hostile_session.rt.next_reply()
+    assert ev["type"] == "error" and ev["error"]["type"] == "invalid_request_error", (message[:200], ev)
+    assert ev["error"]["code"] in codes, (message[:200], ev)
+    assert len(json.dumps(ev)) < SHORT_REPLY, (message[:200], json.dumps(ev)[:400])
+    COUNTS["hostile"] = COUNTS.get("hostile", 0) + 1
+    hostile_session.keep_flowing()
+
+
+def test_after_hostile_sizes_the_session_works_memory_is_bounded_and_nothing_leaked(stack, feeder, baseline, hostile_session):
+    report("hostile")
+    assert COUNTS.get("hostile", 0) >= 60
+    hostile_session.works()
+    feeder.check_alive(2)
+    rss = rss_mb(stack.gateway.proc.pid)
+    assert rss < 400, rss  # about 100 MB at rest; the probe grew it by 270 MB with 40 messages
+    closed = hostile_session.close()
     assert closed["cleanup_confirmed"] is True
     assert_nothing_leaked(stack, baseline)
 
