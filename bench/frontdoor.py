@@ -206,14 +206,21 @@ def probe_report(cycles: list[dict]) -> dict:
 
 # ---- one N ----------------------------------------------------------------------------------------
 
-async def wait_talker_streams(procs, n: int, timeout_s: float) -> None:
-    from bench.pipeline_stats import gauge_value
+async def wait_sessions_live(gateway: GatewayProcess, n: int, timeout_s: float) -> None:
+    """Until the gateway holds n live sessions (each one's prompt prefilled): the probes' opens then
+    meet a loaded cell, not the queue of the steady sessions' prefills."""
+    from bench.pipeline import LOCAL_HTTP
+    from bench.pipeline_stats import parse_metrics
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        snap = (await asyncio.to_thread(scrape, {"talker": procs["talker"]}))["talker"]
-        if snap is not None and (gauge_value(snap, "duplex_stage_active_streams", "talker") or 0) >= n:
-            return
+        try:
+            text = await asyncio.to_thread(lambda: LOCAL_HTTP.open(gateway.http_url + "/metrics", timeout=3).read().decode())
+            live = sum(v for (name, _), v in parse_metrics(text).items() if name == "gateway_sessions_active")
+            if live >= n:
+                return
+        except OSError:
+            pass
         await asyncio.sleep(0.2)
 
 
@@ -245,7 +252,7 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
     cycles: list[dict] = []
     probes: list[asyncio.Task] = []
     try:
-        await wait_talker_streams(procs, steady, cfg.open_timeout_s)
+        await wait_sessions_live(gateway, steady, cfg.open_timeout_s)
         pcm, _ = input_signal(None, 200, seed=1)
         pcm16 = [base64.b64encode((np.clip(pcm[i:i + FRAME], -1, 1) * 32767).astype("<i2").tobytes()).decode()
                  for i in range(0, len(pcm) - FRAME + 1, FRAME)]

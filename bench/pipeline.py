@@ -400,7 +400,7 @@ async def wait_all_free(procs: dict[str, ServiceProcess], need: int, timeout_s: 
         await asyncio.sleep(0.2)
 
 
-_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+LOCAL_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
 
 
 def scrape(procs: dict[str, ServiceProcess]) -> dict:
@@ -408,7 +408,7 @@ def scrape(procs: dict[str, ServiceProcess]) -> dict:
     snaps = {}
     for s, p in procs.items():
         try:
-            with _LOCAL.open(p.metrics_url, timeout=3) as r:
+            with LOCAL_HTTP.open(p.metrics_url, timeout=3) as r:
                 snaps[s] = parse_metrics(r.read().decode())
         except OSError:
             snaps[s] = None
