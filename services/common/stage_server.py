@@ -185,7 +185,8 @@ class StageRuntime:
     async def fail(self, context: grpc.aio.ServicerContext, error: StageError, stream_id: str = "-") -> None:
         """Count, log and send `error` as the RPC's status (raises, as grpc.aio's abort does)."""
         self.metrics.error(error.kind)
-        self.log.warning("error stream=%s kind=%s code=%s: %s", stream_id, error.kind, error.code.name, error.message)
+        self.log.warning("error stream=%s kind=%s code=%s: %s", stream_id[:MAX_STREAM_ID], error.kind, error.code.name,
+                         error.message[:500])
         await error.abort(context)
 
     # -- admission state -----------------------------------------------------------------------
