@@ -671,3 +671,26 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
             await pool.stop()
         assert wait_until(lambda: all(free == 4 and active == 0 for free, active in stage_counts(stack).values()), 30), \
             stage_counts(stack)
+
+
+def test_connections_beyond_the_bound_get_503_and_health_still_answers(stack):
+    """Open WebSockets per gateway process are bounded (--max-connections): one more is HTTP 503
+    `server_busy`, /health still answers, and a freed connection makes room."""
+    from websockets.exceptions import InvalidStatus
+
+    from tools.run_stack import GatewayProcess
+
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--max-connections", "3"]).start()
+    try:
+        held = [sync_connect(gw.ws_url, open_timeout=30, legacy=True) for _ in range(3)]
+        with pytest.raises(InvalidStatus) as e:
+            sync_connect(gw.ws_url, open_timeout=30, legacy=True)
+        assert e.value.response.status_code == 503 and b"server_busy" in e.value.response.body
+        assert http_get(gw.http_url + "/health")[0] == 200
+        held.pop().close()
+        time.sleep(0.2)
+        held.append(sync_connect(gw.ws_url, open_timeout=30, legacy=True))
+        for ws in held:
+            ws.close()
+    finally:
+        gw.stop()

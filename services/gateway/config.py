@@ -125,6 +125,8 @@ class GatewayConfig:
     # Kernel send buffer per client socket (0 = the OS default, which can autotune to MBs):
     # with the queue above, what a client that stops reading can hold up is bounded.
     send_buffer_bytes: int = 256 * 1024
+    # Open WebSockets per gateway process; more get HTTP 503 (each idle one holds buffers, not slots).
+    max_connections: int = 2048
     # Idle bounds (0 = none): a WebSocket that opens no session, and a session that appends no audio
     # (since its open or its last audio message), are closed with an `idle_timeout` error after this long.
     idle_connection_timeout_s: float = 30.0
@@ -162,6 +164,7 @@ class GatewayConfig:
         p.add_argument("--output-queue-events", type=int, default=d.output_queue_events)
         p.add_argument("--output-queue-bytes", type=int, default=d.output_queue_bytes)
         p.add_argument("--send-buffer-bytes", type=int, default=d.send_buffer_bytes)
+        p.add_argument("--max-connections", type=int, default=d.max_connections, help="open WebSockets per gateway process")
         p.add_argument("--static-dir", default=str(d.static_dir))
         p.add_argument("--idle-connection-timeout", type=float, default=_env_float("GATEWAY_IDLE_CONNECTION_TIMEOUT_S", d.idle_connection_timeout_s),
                        help="seconds a WebSocket may stay open without a session (env GATEWAY_IDLE_CONNECTION_TIMEOUT_S; 0 = no bound)")
@@ -206,6 +209,7 @@ class GatewayConfig:
             output_queue_events=a.output_queue_events,
             output_queue_bytes=a.output_queue_bytes,
             send_buffer_bytes=a.send_buffer_bytes,
+            max_connections=a.max_connections,
             static_dir=Path(a.static_dir),
             idle_connection_timeout_s=a.idle_connection_timeout,
             idle_session_timeout_s=a.idle_session_timeout,

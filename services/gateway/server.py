@@ -120,6 +120,10 @@ class Gateway:
         if path in WS_PATHS:
             if request.headers.get("Upgrade", "").lower() != "websocket":
                 return _response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8", [("Upgrade", "websocket")])
+            if self.server is not None and len(self.server.connections) >= self.config.max_connections:
+                self.metrics.errors.labels("server_error", "server_busy").inc()
+                return _json(503, {"error": {"type": "server_error", "code": "server_busy",
+                                             "message": f"this gateway holds {self.config.max_connections} connections; retry shortly"}})
             if not self._authorized(request):
                 return self._unauthorized("missing or wrong API key (a bearer header or the openai-insecure-api-key. subprotocol)")
             query = dict(parse_qsl(url.query))
