@@ -3,7 +3,8 @@ tests.
 
 - `tone`, `pcm16_b64`, `f32_b64`: test input that is never silent, as the wire carries it;
 - `check_envelope`: every server event has an event_id and a strictly increasing server_event_seq;
-- `RT`: an async raw Realtime client (websockets) that records every event and checks its envelope.
+- `RT`: an async raw Realtime client (websockets) that records every event and checks its envelope;
+- `eventually`: wait until a condition on the servers' state holds.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def check_envelope(ev: dict, last_seq: int) -> int:
     assert isinstance(ev.get("event_id"), str) and ev["event_id"], ev
     assert ev["server_event_seq"] > last_seq, "server_event_seq must increase"
     return ev["server_event_seq"]
+
+
+async def eventually(predicate, timeout: float = 20.0) -> bool:
+    """Whether predicate() held within the timeout (polled every 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.1)
+    return predicate()
 
 
 class RT:

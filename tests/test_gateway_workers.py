@@ -24,7 +24,7 @@ from websockets.exceptions import ConnectionClosed
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from services.gateway.config import GatewayConfig, parse_workers, usable_cpus
 from services.gateway.workers import MAX_RESTARTS, RESTART_WINDOW_S
-from tests.realtime_client import RT, pcm16_b64, tone
+from tests.realtime_client import RT, eventually, pcm16_b64, tone
 from tools.run_stack import GatewayProcess, Stack
 
 SLOTS = 4
@@ -90,15 +90,6 @@ def worker_pids(gateway: GatewayProcess, timeout: float = 30.0) -> dict[int, int
         seen[body["worker"]["index"]] = body["worker"]["pid"]
     assert set(seen) == {0, 1}, f"only workers {sorted(seen)} answered /health"
     return seen
-
-
-async def eventually(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.1)
-    return predicate()
 
 
 def children(pid: int) -> list[int]:

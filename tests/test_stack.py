@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from duplex.v1 import common_pb2, encoder_pb2_grpc, talker_pb2_grpc
-from tests.realtime_client import RT, pcm16_b64, tone
+from tests.realtime_client import RT, eventually, pcm16_b64, tone
 from tools.procs import REPO_ROOT, free_port
 
 TICK_S = 0.02
@@ -159,15 +159,6 @@ def _active(stack: RunStack, cell: int, stage: str = "talker") -> int:
     return stack.capacity(cell, stage).active_streams
 
 
-async def _wait(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.1)
-    return predicate()
-
-
 async def test_sessions_spread_over_cells_and_a_killed_cell_fails_only_its_sessions(run_stack):
     s1, s2 = await RT.connect(run_stack.ws_url), await RT.connect(run_stack.ws_url)
     assert (await s1.open(instructions="one"))["type"] == "session.created"
@@ -217,7 +208,7 @@ async def test_sessions_spread_over_cells_and_a_killed_cell_fails_only_its_sessi
     assert after_s < 1.0, f"typed error after {after_s:.2f}s"
     survivor = alive[0]
     # The dead session's streams in the surviving stages of its cell are closed too.
-    assert await _wait(lambda: _active(run_stack, 0, "encoder") == 0), "cell 0 encoder still holds the dead session"
+    assert await eventually(lambda: _active(run_stack, 0, "encoder") == 0), "cell 0 encoder still holds the dead session"
 
     # New sessions go to the surviving cell only; with it full, the next is refused.
     await asyncio.sleep(1.0)  # one capacity poll notices the dead talker
@@ -235,7 +226,7 @@ async def test_sessions_spread_over_cells_and_a_killed_cell_fails_only_its_sessi
     await asyncio.gather(*feeders)
     await survivor.close()
     await s3.close()
-    assert await _wait(lambda: _active(run_stack, 1) == 0), "closed sessions still hold talker slots"
+    assert await eventually(lambda: _active(run_stack, 1) == 0), "closed sessions still hold talker slots"
 
 
 def test_run_stack_stops_everything_on_ctrl_c(run_stack):
