@@ -3,7 +3,8 @@ tests.
 
 - `tone`, `pcm16_b64`, `f32_b64`: test input that is never silent, as the wire carries it;
 - `check_envelope`: every server event has an event_id and a strictly increasing server_event_seq;
-- `RT`: an async raw Realtime client (websockets) that records every event and checks its envelope;
+- `RT`: an async raw Realtime client (websockets) that records every event and checks its envelope
+  and its shape against the `openai` package's typed models;
 - `eventually`: wait until a condition on the servers' state holds.
 """
 
@@ -16,6 +17,8 @@ import time
 
 import numpy as np
 from websockets.asyncio.client import connect
+
+from tests.openai_events import validate_server_event
 
 SR, FRAME = 24_000, 1920
 AUDIO_DELTA = "response.output_audio.delta"
@@ -60,6 +63,7 @@ class RT:
         self.ws = ws
         self.events: list[dict] = []
         self.last_seq = 0
+        self.legacy = False  # beta event names (the session says so in session.created)
 
     @classmethod
     async def connect(cls, url: str, headers: dict | None = None, **kw) -> "RT":
@@ -71,6 +75,9 @@ class RT:
     async def recv(self, timeout: float = 60.0) -> dict:
         ev = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
         self.last_seq = check_envelope(ev, self.last_seq)
+        if ev["type"] == "session.created":
+            self.legacy = ev["session"].get("event_names") == "legacy"
+        validate_server_event(ev, self.legacy)
         self.events.append(ev)
         return ev
 

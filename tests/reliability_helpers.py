@@ -25,9 +25,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as sync_connect
 
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
+from tests.openai_events import validate_server_event
 from tests.realtime_client import FRAME, RT, SR, check_envelope, f32_b64, pcm16_b64, tone  # noqa: F401 (re-exported)
 
-OUTPUT_EVENTS = ("response.created", "response.output_audio.delta", "response.output_audio_transcript.delta")
+# Continuous output: the response's opening events, then its deltas.
+OUTPUT_EVENTS = ("response.created", "conversation.item.added", "response.output_item.added", "response.content_part.added",
+                 "response.output_audio.delta", "response.output_audio_transcript.delta")
 _STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub, "decoder": decoder_pb2_grpc.DecoderStub}
 
 
@@ -107,6 +110,7 @@ class SyncRT:
         self.ws = sync_connect(url, max_size=None, open_timeout=60, legacy=True, **kw)
         self.events: list[dict] = []
         self.last_seq = 0
+        self.legacy = False
 
     def send(self, event: dict | str | bytes) -> None:
         self.ws.send(event if isinstance(event, (str, bytes)) else json.dumps(event))
@@ -114,6 +118,9 @@ class SyncRT:
     def recv(self, timeout: float = 30.0) -> dict:
         ev = json.loads(self.ws.recv(timeout))
         self.last_seq = check_envelope(ev, self.last_seq)
+        if ev["type"] == "session.created":
+            self.legacy = ev["session"].get("event_names") == "legacy"
+        validate_server_event(ev, self.legacy)
         self.events.append(ev)
         return ev
 

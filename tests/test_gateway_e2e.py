@@ -164,15 +164,16 @@ async def test_malformed_input_gets_one_typed_error_and_the_next_append_works(st
         (json.dumps({"type": "input_audio_buffer.append", "audio": f32(good), "sample_rate_hz": 16000}), "unsupported_audio_format"),
         (json.dumps({"type": "input_audio_buffer.append", "audio": f32(good), "format": "pcm16"}), "unsupported_audio_format"),
         (json.dumps({"type": "session.update", "session": {"voice": "../../etc/x.pt"}}), "invalid_voice"),
-        (json.dumps({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}}), "unsupported_feature"),
+        (json.dumps({"type": "session.update", "session": {"audio": {"output": {"speed": 1.5}}}}), "unsupported_feature"),
+        (json.dumps({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}), "unsupported_feature"),
         (json.dumps({"type": "session.resume"}), "unsupported_feature"),
         (json.dumps({"type": "barge_in"}), "unsupported_feature"),
-        (json.dumps({"type": "input_audio_buffer.commit"}), "unsupported_feature"),
+        (json.dumps({"type": "conversation.item.truncate", "item_id": "item_nope", "audio_end_ms": 0}), "invalid_item_id"),
     ]
     for i, (message, code) in enumerate(bad):
         await rt.ws.send(message.replace('"type": "input_audio_buffer.append"', f'"type": "input_audio_buffer.append", "event_id": "c{i}"'))
         ev = await rt.recv(30)
-        while ev["type"] in ("response.created", "response.output_audio.delta", "response.output_audio_transcript.delta"):
+        while ev["type"] != "error":
             ev = await rt.recv(30)  # output of earlier good appends may come first
         assert ev["type"] == "error" and ev["error"]["code"] == code, (message[:80], ev)
         assert ev["error"]["type"] == "invalid_request_error"
@@ -267,10 +268,24 @@ async def test_native_api_chat_with_ogg_opus(stack):
         y = np.concatenate(pcm_out)
         assert y.size >= 4 * FRAME and np.isfinite(y).all() and np.sqrt(np.mean(y**2)) > 1e-3
         assert text and all(t for t in text)
-        # A bad voice is refused with a typed error before any handshake.
-    async with connect(url.replace("NATF2.pt", "../x.pt")) as ws:
-        msg = await asyncio.wait_for(ws.recv(), 30)
-        assert msg[0] == 5 and b"invalid_voice" in msg
+    # Refusals are HTTP answers to the upgrade: 400 for what a retry cannot fix (a malformed or an
+    # unknown voice), 503 + Retry-After while every slot is taken.
+    for voice in ("../x.pt", "NOPE.pt"):
+        with pytest.raises(InvalidStatus) as e:
+            await connect(url.replace("NATF2.pt", voice))
+        assert e.value.response.status_code == 400
+        assert json.loads(e.value.response.body)["error"]["code"] == "invalid_voice"
+    async with connect(url, max_size=None) as a, connect(url, max_size=None) as b:
+        assert await asyncio.wait_for(a.recv(), 120) == b"\x00" and await asyncio.wait_for(b.recv(), 120) == b"\x00"
+        with pytest.raises(InvalidStatus) as e:
+            await connect(url)
+        assert e.value.response.status_code == 503 and e.value.response.headers["Retry-After"] == "1"
+        assert json.loads(e.value.response.body)["error"]["code"] == "resource_exhausted"
+        # A client that closes and reconnects at once (LiveKit's plugin does, to change the persona)
+        # gets its own slot back: admission waits for the slot being released.
+        await a.close()
+        async with connect(url, max_size=None) as c:
+            assert await asyncio.wait_for(c.recv(), 120) == b"\x00"
 
 
 async def test_health_metrics_static_and_routing(stack):
@@ -392,6 +407,62 @@ async def test_talker_refusals_reach_the_client_as_typed_codes(stack):
     rt = await RT.connect(stack.gateway.ws_url)
     assert (await rt.open(instructions="You are fine."))["type"] == "session.created"
     await rt.close()
+
+
+async def test_cancel_and_truncate_keep_the_session_and_the_lifecycle_is_ga(stack):
+    """response.cancel and conversation.item.truncate end the current response (queued audio dropped)
+    and the next one starts at once on the same session; commit and response.create are silent
+    no-ops. Every event validates against the openai typed models (RT checks each)."""
+    rt = await RT.connect(stack.gateway.ws_url)
+    await rt.open(voice="marin", tools=[], tool_choice="auto", max_output_tokens="inf",
+                  audio={"input": {"turn_detection": {"type": "semantic_vad"}, "transcription": {"model": "whisper-1"}},
+                         "output": {"speed": 1.0}})
+    updated = await rt.until("session.updated")
+    assert updated["session"]["voice"] == "NATF2.pt" and updated["session"]["audio"]["input"]["transcription"] is None
+    assert set(updated["session"]["not_in_effect"]) == {"audio.input.turn_detection", "audio.input.transcription",
+                                                        "max_output_tokens", "tool_choice"}
+    feed = asyncio.create_task(paced(rt, tone(40)))
+    try:
+        await rt.wait_frames(3)
+        first = rt.of("response.created")[0]["response"]["id"]
+        types = [e["type"] for e in rt.events]
+        assert types.index("response.created") < types.index("conversation.item.added") < types.index(
+            "response.output_item.added") < types.index("response.content_part.added") < types.index("response.output_audio.delta")
+        await rt.send({"type": "input_audio_buffer.commit"})
+        await rt.send({"type": "response.create", "response": {}})
+        await rt.send({"type": "response.cancel"})
+        done = await rt.until("response.done")
+        assert done["response"]["id"] == first and done["response"]["status"] == "cancelled"
+        assert done["response"]["output"][0]["status"] == "incomplete"
+        second = (await rt.until("response.created"))["response"]["id"]
+        frames = rt.frames
+        await rt.wait_frames(frames + 2)
+        deltas = rt.of("response.output_audio.delta")[frames:]
+        assert deltas and {d["response_id"] for d in deltas} == {second}  # audio continues, in the new response
+        # The client heard 80 ms of the second response's item: truncated there, and a third response starts.
+        item = deltas[0]["item_id"]
+        await rt.send({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 80})
+        truncated = await rt.until("conversation.item.truncated")
+        assert (truncated["item_id"], truncated["audio_end_ms"]) == (item, 80)
+        done = await rt.until("response.done")
+        assert done["response"]["id"] == second and done["response"]["status"] == "cancelled"
+        await rt.until("response.created")
+        await rt.wait_frames(rt.frames + 2)
+    finally:
+        await feed
+    done, closed = await rt.close()
+    assert done["response"]["status"] == "completed" and closed["cleanup_confirmed"] is True
+    assert not rt.of("error")
+    # Every response's events come in the GA order, and no delta is outside its response.
+    open_ids: set[str] = set()
+    for e in rt.events:
+        if e["type"] == "response.created":
+            open_ids.add(e["response"]["id"])
+        elif e["type"] == "response.done":
+            open_ids.remove(e["response"]["id"])
+        elif e["type"] in ("response.output_audio.delta", "response.output_audio_transcript.delta"):
+            assert open_ids == {e["response_id"]}
+    assert not open_ids
 
 
 async def test_zz_draining_cell_gets_no_new_session(stack):

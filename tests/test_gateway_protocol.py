@@ -125,17 +125,21 @@ def test_beta_session_update_sets_f32_and_extra_body():
     "session,code",
     [
         ("nope", "bad_event"),
-        ({"tools": []}, "bad_event"),
-        ({"id": "x"}, "bad_event"),  # server-owned
+        ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_feature"),
+        ({"tools": {}}, "bad_event"),
+        ({"capabilities": {}}, "bad_event"),  # server-owned
+        ({"id": "../x"}, "bad_event"),
         ({"type": "transcription"}, "bad_event"),
         ({"input_audio_format": "g711_ulaw"}, "unsupported_audio_format"),
         ({"output_audio_format": "pcm_f32le"}, "unsupported_audio_format"),
         ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "unsupported_audio_format"),
         ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "unsupported_audio_format"),
-        ({"turn_detection": {"type": "server_vad"}}, "unsupported_feature"),
-        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "unsupported_feature"),
+        ({"audio": {"output": {"speed": 1.2}}}, "unsupported_feature"),
+        ({"audio": {"output": {"speed": "fast"}}}, "unsupported_feature"),
+        ({"audio": {"input": {"echo": True}}}, "bad_event"),
         ({"voice": "../etc/passwd.pt"}, "invalid_voice"),
-        ({"voice": "alloy"}, "invalid_voice"),
+        ({"voice": "not a voice"}, "invalid_voice"),
+        ({"voice": 3}, "invalid_voice"),
         ({"voice": "/abs/NATF2.pt"}, "invalid_voice"),
         ({"instructions": "x" * 101}, "bad_event"),
         ({"instructions": 5}, "bad_event"),
@@ -149,6 +153,41 @@ def test_bad_session_update_is_refused_whole(session, code):
     with pytest.raises(ClientError) as e:
         parse_session_update(session, DEFAULT, 100)
     assert e.value.code == code
+
+
+def test_standard_fields_sdks_always_send_are_accepted_and_reported_not_in_effect():
+    # livekit-plugins-openai 1.8.9's first session.update, as sent.
+    livekit = {
+        "type": "realtime", "model": "gpt-realtime", "output_modalities": ["audio"], "max_output_tokens": "inf",
+        "tool_choice": "auto", "tracing": None,
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "noise_reduction": None,
+                            "transcription": {"model": "gpt-4o-mini-transcribe"},
+                            "turn_detection": {"type": "semantic_vad", "create_response": True, "eagerness": "auto",
+                                               "interrupt_response": True}},
+                  "output": {"format": {"type": "audio/pcm", "rate": 24000}, "speed": 1.0, "voice": "marin"}},
+    }
+    s = parse_session_update(livekit, DEFAULT, 100)
+    assert s.voice == "NATF2.pt"  # through the default alias table
+    assert set(dict(s.not_in_effect)) == {"max_output_tokens", "tool_choice", "audio.input.transcription",
+                                          "audio.input.turn_detection"}
+    # pipecat with a context aggregator; vLLM-Omni naming its session; a bare bundled voice name.
+    s = parse_session_update({"type": "realtime", "tools": [], "instructions": "Be brief.", "session_id": "omni-1",
+                              "turn_detection": {"type": "server_vad"}, "voice": "NATM1"}, DEFAULT, 100)
+    assert (s.voice, s.instructions, s.requested_id) == ("NATM1.pt", "Be brief.", "omni-1")
+    assert dict(s.not_in_effect) == {"turn_detection": "the model takes turns itself (full duplex); no VAD runs"}
+    # The operator's table replaces the default one.
+    assert parse_session_update({"voice": "Alloy"}, DEFAULT, 100, {"alloy": "VARF0.pt"}).voice == "VARF0.pt"
+    with pytest.raises(ClientError):
+        parse_session_update({"voice": "al loy"}, DEFAULT, 100, {})
+
+
+def test_voice_alias_flag_replaces_the_table():
+    cfg = GatewayConfig.from_args(["--cells", "a:1,b:2,c:3", "--voice-aliases", "marin=VARF0.pt, cedar=NATM1.pt"])
+    assert cfg.voice_aliases == (("marin", "VARF0.pt"), ("cedar", "NATM1.pt"))
+    assert GatewayConfig.from_args(["--cells", "a:1,b:2,c:3", "--voice-aliases", ""]).voice_aliases == ()
+    assert dict(GatewayConfig.from_args(["--cells", "a:1,b:2,c:3"]).voice_aliases)["alloy"] == "NATF2.pt"
+    with pytest.raises(SystemExit):
+        GatewayConfig.from_args(["--cells", "a:1,b:2,c:3", "--voice-aliases", "marin"])
 
 
 def test_capabilities_follow_configured_capacity():

@@ -21,7 +21,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as sync_connect
 
 from services.gateway.bounded import OutputQueue, RecentIds, brief
@@ -247,13 +247,12 @@ def test_huge_numbers_and_deep_nesting_are_typed_errors_and_the_session_goes_on(
 @pytest.mark.parametrize("seed", ["18446744073709551616", "9223372036854775808", "²", "١٢", "1" * 5000, "-1"])
 def test_api_chat_seed_out_of_range_or_not_ascii_digits_is_a_typed_refusal(stack, feeder, baseline, seed):
     """The probe's `seed=2**64` and `seed=²` were tracebacks counted as internal errors; now each
-    is one typed error message (kind 5) and a close, as on the Realtime path (0 <= seed < 2**63)."""
+    is refused at the upgrade (HTTP 400, typed JSON error), as on the Realtime path (0 <= seed < 2**63)."""
     url = f"ws://{stack.gateway.host}:{stack.gateway.port}/api/chat?" + urllib.parse.urlencode({"seed": seed})
-    with sync_connect(url, max_size=None, open_timeout=60, legacy=True) as ws:
-        msg = ws.recv(60)
-        assert isinstance(msg, bytes) and msg[0] == 5 and msg[1:].startswith(b"bad_event:"), msg[:120]
-        with pytest.raises(ConnectionClosed):
-            ws.recv(30)
+    with pytest.raises(InvalidStatus) as e:
+        sync_connect(url, max_size=None, open_timeout=60, legacy=True)
+    assert e.value.response.status_code == 400
+    assert json.loads(e.value.response.body)["error"]["code"] == "bad_event", e.value.response.body[:120]
     assert internal_errors(stack) == 0
     assert_back_to_baseline(stack, baseline)
 

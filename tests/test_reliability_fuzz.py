@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import shutil
 import urllib.parse
 
@@ -27,6 +28,7 @@ from websockets.sync.client import connect as sync_connect
 from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common import voice_names
 from services.common.errors import ERROR_KIND_KEY
+from services.gateway.config import DEFAULT_VOICE_ALIASES
 from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, f32_b64, gateway_metric, rss_mb, stage_counts,
                                        tone, wait_until)
 from tools.run_stack import Stack
@@ -45,13 +47,17 @@ KNOWN_EVENTS = {
     "session.update", "input_audio_buffer.append", "input_audio_buffer.clear", "session.close", "response.cancel",
     "session.heartbeat", "input_audio_buffer.commit", "response.create", "session.resume", "barge_in", "session.barge_in",
     "input_audio_buffer.barge_in", "output_audio_buffer.clear", "conversation.item.truncate",
+    "conversation.item.create", "conversation.item.delete",
 }
-REFUSED_FEATURES = sorted(KNOWN_EVENTS - {"session.update", "input_audio_buffer.append", "input_audio_buffer.clear",
-                                          "session.close", "response.cancel", "session.heartbeat"})
+REFUSED_FEATURES = ["barge_in", "input_audio_buffer.barge_in", "output_audio_buffer.clear", "session.barge_in", "session.resume"]
 SESSION_KEYS = {"type", "model", "modalities", "output_modalities", "input_audio_format", "output_audio_format", "audio",
-                "voice", "instructions", "turn_detection", "extra_body"}
-# The documented voice rule (realtime-protocol.md, talker.proto): a bundled basename, no path, ends in .pt.
-VOICE_RULE = voice_names.BUNDLED  # what the gateway accepts as a bundled name (bare names must be enrolled)
+                "voice", "instructions", "turn_detection", "extra_body",
+                # standard fields accepted and reported as not in effect
+                "max_output_tokens", "tool_choice", "tracing", "tools", "id", "session_id", "object"}
+# The documented voice rule (README): a bundled basename (no path), a bare name (enrolled, else the
+# bundled NAME.pt, refused by the talker if missing), or an alias.
+VOICE_RULE = re.compile(f"{voice_names.BUNDLED.pattern}|{voice_names.ENROLLED.pattern}")
+VOICE_ALIASES = dict(DEFAULT_VOICE_ALIASES)
 
 COUNTS: dict[str, int] = {}
 
@@ -212,14 +218,15 @@ def bad_append(draw):
 
 @st.composite
 def bad_session_update(draw):
-    flaw = draw(st.sampled_from(["not_object", "unknown_key", "voice", "instructions", "type", "turn_detection"]))
+    flaw = draw(st.sampled_from(["not_object", "unknown_key", "voice", "instructions", "type", "speed"]))
     if flaw == "not_object":
         session, code = draw(json_values.filter(lambda v: not isinstance(v, dict))), "bad_event"
     elif flaw == "unknown_key":
         session = draw(st.dictionaries(st.text(max_size=12).filter(lambda k: k not in SESSION_KEYS), json_values, min_size=1, max_size=3))
         code = "bad_event"
     elif flaw == "voice":
-        v = draw(st.text(max_size=80).filter(lambda v: v and not VOICE_RULE.match(v)) | json_values.filter(lambda v: v is not None and not isinstance(v, str)))
+        v = draw(st.text(max_size=80).filter(lambda v: v and not VOICE_RULE.match(v) and v.lower() not in VOICE_ALIASES)
+                 | json_values.filter(lambda v: v is not None and not isinstance(v, str)))
         session, code = {"voice": v}, "invalid_voice"
     elif flaw == "instructions":
         v = draw(json_values.filter(lambda v: not isinstance(v, str)) | st.just("x" * (MAX_INSTRUCTIONS + 1)))
@@ -227,7 +234,8 @@ def bad_session_update(draw):
     elif flaw == "type":
         session, code = {"type": draw(json_values.filter(lambda v: v != "realtime"))}, "bad_event"
     else:
-        session, code = {"turn_detection": draw(json_values.filter(lambda v: v is not None))}, "unsupported_feature"
+        speed = draw(json_values.filter(lambda v: isinstance(v, bool) or v != 1.0))
+        session, code = {"audio": {"output": {"speed": speed}}}, "unsupported_feature"
     msg, eid = _event("session.update", draw(event_ids), {"session": session})
     return msg, {code}, eid
 
@@ -458,7 +466,7 @@ def test_empty_and_oversized_messages(stack, feeder, baseline, message, close_co
 HOSTILE_VOICES = [
     "../x.pt", "../../x.pt", "..%2Fx.pt", "..%2fx.pt", "%2e%2e/x.pt", "sub/y.pt", "voices/NATF2.pt", "/etc/passwd.pt",
     "/tmp/x.pt", "..\\x.pt", "sub\\y.pt", "NATF2.pt\x00.wav", "NATF2\x00.pt", "..pt", ".pt", "NATF2․pt", "ＮＡＴＦ2.pt",
-    "NATF2.pt\u200b", "NATF2\u2024pt", "NATF2.pt ", " NATF2.pt", "NATF2.PT", "NATF2.wav", "NATF2", "NATF2.pt/", "~/x.pt",
+    "NATF2.pt\u200b", "NATF2\u2024pt", "NATF2.pt ", " NATF2.pt", "NATF2.PT", "NATF2.wav", "NATF2.pt/", "~/x.pt",
     "C:\\x.pt", "file:///x.pt", "N" * 300 + ".pt", "N" * 100_000, "$(id).pt", "NATF2.pt;rm", "NOPE.pt", "x.pt",
 ]
 
@@ -539,20 +547,19 @@ def _chat(stack, **query):
 
 
 def test_api_chat_query_params_are_checked_too(stack, feeder, baseline):
-    """`voice_prompt` / `text_prompt` on /api/chat: each hostile value is one typed error
-    message (kind 5) and a close before any handshake; nothing opened. A query over the HTTP
-    request-line limit is refused at the upgrade (414)."""
+    """`voice_prompt` / `text_prompt` on /api/chat: each hostile value is refused at the upgrade
+    with HTTP 400 and a typed JSON error; nothing opened. A query over the HTTP request-line limit
+    is refused at the upgrade (414)."""
     cases = [({"voice_prompt": v}, "invalid_voice") for v in HOSTILE_VOICES if len(v) < 1000]
     cases += [({"voice_prompt": "NATF2.pt\x00"}, "invalid_voice"),
               ({"text_prompt": "x" * (MAX_INSTRUCTIONS + 1)}, "bad_event"),
               ({"text_prompt": " ".join(["You are patient and kind."] * 150)[:MAX_INSTRUCTIONS]}, "invalid_instructions"),
               ({"seed": "-1"}, "bad_event")]
     for query, code in cases:
-        with _chat(stack, **query) as ws:
-            msg = ws.recv(60)
-            assert isinstance(msg, bytes) and msg[0] == 5 and msg[1:].decode().startswith(code + ":"), (query, msg[:100])
-            with pytest.raises(ConnectionClosed):
-                ws.recv(30)
+        with pytest.raises(InvalidStatus) as e:
+            _chat(stack, **query)
+        assert e.value.response.status_code == 400, (query, e.value.response.status_code)
+        assert json.loads(e.value.response.body)["error"]["code"] == code, (query, e.value.response.body[:200])
         COUNTS["chat_query"] = COUNTS.get("chat_query", 0) + 1
     # A request line over the HTTP limit never reaches a session: HTTP 414.
     with pytest.raises(InvalidStatus) as e:

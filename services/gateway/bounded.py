@@ -2,7 +2,8 @@
 ids it asked to remember, and any of its values echoed back in an error or a log line.
 
     brief(value)              a short, printable stand-in for a client value (never its whole repr)
-    OutputQueue(n, bytes)     messages waiting for one client's socket, bounded in count and bytes
+    OutputQueue(n, bytes)     messages waiting for one client's socket, bounded in count and bytes;
+                              tagged ones can be dropped unsent (a cancelled response's audio)
     RecentIds(n, bytes, len)  the last operation ids seen, O(1) lookup, bounded in count and bytes
 """
 
@@ -45,23 +46,31 @@ class OutputQueue:
     def qsize(self) -> int:
         return len(self._items)
 
-    def put_nowait(self, msg: str | bytes) -> None:
+    def put_nowait(self, msg: str | bytes, tag: str | None = None) -> None:
         size = len(msg)  # JSON text here is ASCII (json.dumps escapes the rest): characters = bytes
         if len(self._items) >= self.max_items or self.bytes + size > self.max_bytes:
             raise asyncio.QueueFull
-        self._items.append(msg)
+        self._items.append((tag, msg))
         self.bytes += size
         self._ready.set()
 
+    def drop(self, tag: str) -> int:
+        """Drop the queued messages put with this tag; returns how many."""
+        kept = deque(item for item in self._items if item[0] != tag or item[1] is None)
+        dropped = len(self._items) - len(kept)
+        self._items = kept
+        self.bytes = sum(len(m) for _, m in kept if m is not None)
+        return dropped
+
     def finish(self) -> None:
-        self._items.append(None)
+        self._items.append((None, None))
         self._ready.set()
 
     async def get(self) -> str | bytes | None:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
-        msg = self._items.popleft()
+        msg = self._items.popleft()[1]
         if msg is not None:
             self.bytes -= len(msg)
         return msg

@@ -15,6 +15,27 @@ TRUTHY = ("1", "true", "yes", "on")
 WORKERS_ENV = "GATEWAY_WORKERS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
+# Other vendors' voice names -> a bundled voice, so clients that send their default voice
+# (LiveKit's `marin`, the openai SDK's `alloy`, ...) work unmodified. Operators replace the
+# table with --voice-aliases; a name that is neither an alias nor a bundled voice is refused.
+DEFAULT_VOICE_ALIASES: tuple[tuple[str, str], ...] = (
+    ("alloy", "NATF2.pt"), ("coral", "NATF2.pt"), ("marin", "NATF2.pt"), ("sage", "NATF2.pt"), ("shimmer", "NATF2.pt"),
+    ("ash", "NATM1.pt"), ("ballad", "NATM1.pt"), ("cedar", "NATM1.pt"), ("echo", "NATM1.pt"), ("verse", "NATM1.pt"),
+)
+
+
+def parse_voice_aliases(text: str) -> tuple[tuple[str, str], ...]:
+    """'marin=NATF2.pt,cedar=NATM1.pt' -> pairs ('' -> no aliases)."""
+    pairs = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, voice = (x.strip() for x in part.partition("="))
+        if not sep or not name or not voice.endswith(".pt"):
+            raise ValueError(f"a voice alias is 'name=VOICE.pt', got {part!r}")
+        pairs.append((name.lower(), voice))
+    return tuple(pairs)
+
 
 @dataclass(frozen=True)
 class CellAddress:
@@ -103,6 +124,9 @@ class GatewayConfig:
     poll_timeout_s: float = 0.4
     # Opening a session's three streams includes the talker's prompt prefill.
     open_timeout_s: float = 30.0
+    # Every cell full while this gateway releases a session (a client reconnecting at once):
+    # admission waits this long for the released slot before refusing.
+    admission_wait_s: float = 1.0
     # A close must be acknowledged by all three stages within this bound.
     cleanup_timeout_s: float = 3.0
     # With input frames outstanding and no output for this long, a stage is declared stalled.
@@ -113,6 +137,7 @@ class GatewayConfig:
     client_secret_ttl_s: float = 60.0
     model: str = "nvidia/personaplex-7b-v1"
     default_voice: str = ""
+    voice_aliases: tuple[tuple[str, str], ...] = DEFAULT_VOICE_ALIASES
     default_instructions: str = "You enjoy having a good conversation."
     max_instructions_chars: int = 4000
     # Client input bounds: one packet at most this many samples (10 s), one message this many bytes.
@@ -154,12 +179,16 @@ class GatewayConfig:
         p.add_argument("--poll-interval", type=float, default=d.poll_interval_s)
         p.add_argument("--open-timeout", type=float, default=d.open_timeout_s)
         p.add_argument("--cleanup-timeout", type=float, default=d.cleanup_timeout_s)
+        p.add_argument("--admission-wait", type=float, default=d.admission_wait_s,
+                       help="seconds a new session may wait for a slot this gateway is releasing")
         p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s)
         p.add_argument("--api-key-env", default=API_KEY_ENV, help="environment variable holding the bearer key (unset: no check)")
         p.add_argument("--client-secret-ttl", type=float, default=d.client_secret_ttl_s,
                        help="seconds a browser's client secret may open connections")
         p.add_argument("--model", default=d.model)
         p.add_argument("--default-voice", default=d.default_voice)
+        p.add_argument("--voice-aliases", default=",".join(f"{k}={v}" for k, v in d.voice_aliases),
+                       help="other vendors' voice names -> bundled voices: 'marin=NATF2.pt,...' ('' for none)")
         p.add_argument("--default-instructions", default=d.default_instructions)
         p.add_argument("--output-queue-events", type=int, default=d.output_queue_events)
         p.add_argument("--output-queue-bytes", type=int, default=d.output_queue_bytes)
@@ -188,6 +217,10 @@ class GatewayConfig:
         if a.voice_upload and not os.environ.get(a.api_key_env):
             p.error(f"--voice-upload needs an API key: set {a.api_key_env}")
         ports = tuple(int(x) for x in a.dns_ports.split(","))
+        try:
+            aliases = parse_voice_aliases(a.voice_aliases)
+        except ValueError as e:
+            p.error(str(e))
         if len(ports) != 3:
             p.error("--dns-ports needs three ports")
         return cls(
@@ -200,11 +233,13 @@ class GatewayConfig:
             poll_interval_s=a.poll_interval,
             open_timeout_s=a.open_timeout,
             cleanup_timeout_s=a.cleanup_timeout,
+            admission_wait_s=a.admission_wait,
             stall_timeout_s=a.stall_timeout,
             api_key=os.environ.get(a.api_key_env) or None,
             client_secret_ttl_s=a.client_secret_ttl,
             model=a.model,
             default_voice=a.default_voice,
+            voice_aliases=aliases,
             default_instructions=a.default_instructions,
             output_queue_events=a.output_queue_events,
             output_queue_bytes=a.output_queue_bytes,

@@ -3,11 +3,15 @@
     0  handshake  server -> client, once the prompt prefill is done
     1  audio      Ogg/Opus pages at 24 kHz, both directions (sphn encodes and decodes)
     2  text       server -> client, a UTF-8 text piece (special tokens are never sent)
-    5  error      server -> client, a UTF-8 message, sent before the socket closes on a refusal
+    5  error      server -> client, a UTF-8 message ("code: message") about a bad client message
 
-Query: `voice_prompt` (a bundled basename such as NATF2.pt), `text_prompt` (the persona),
-optional `seed`. The session's audio is regrouped into 1920-sample frames exactly as on
-the Realtime wire and goes through the same pipeline.
+Query: `voice_prompt` (a bundled voice such as NATF2.pt, or an alias), `text_prompt` (the persona),
+optional `seed`. The session is opened (prompt prefill included) while the HTTP upgrade waits, so a
+refusal is an HTTP status a client can act on, never a socket that opens and then closes:
+400 for what retrying cannot fix (bad query, unknown voice, persona the model cannot take),
+503 with Retry-After when every cell is full, draining or down.
+The session's audio is regrouped into 1920-sample frames exactly as on the Realtime wire and
+goes through the same pipeline.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import re
 import secrets
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import sphn
@@ -24,23 +29,102 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from duplex.v1 import talker_pb2
-from services.common import voice_names
 from services.gateway import audio
-from services.gateway.bounded import OutputQueue, brief
-from services.gateway.pipeline import OpenParams, OutputFrame, PipelineError, open_on_cells
-from services.gateway.realtime import LOGGED_CLIENT_ERRORS, RETRY_LATER, admission_error
+from services.gateway.admission import admit, release
+from services.gateway.bounded import OutputQueue
+from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError
+from services.gateway.realtime import LOGGED_CLIENT_ERRORS, ClientError, resolve_voice
 
 log = logging.getLogger("gateway.native")
 
 KIND_HANDSHAKE, KIND_AUDIO, KIND_TEXT, KIND_ERROR = 0, 1, 2, 5
 _SEED = re.compile(r"[0-9]{1,19}")  # ASCII digits only (str.isdigit also takes '²'); below 2**63 is checked too
+RETRY_AFTER_FULL_S, RETRY_AFTER_DOWN_S = 1, 5
+
+
+@dataclass
+class Refusal:
+    """An /api/chat upgrade answered with an HTTP error instead of 101."""
+
+    status: int
+    error: dict  # {"type", "code", "message"}
+    retry_after_s: int | None = None
+
+
+@dataclass
+class _Admitted:
+    session_id: str
+    pipeline: Pipeline
+    claimed: bool = False
+
+
+_ADMITTED_ATTR = "personaplex_admitted"  # set on the connection by admit_at_upgrade, taken by NativeSession
+_background: set[asyncio.Task] = set()
+
+
+def _in_background(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -> Refusal | None:
+    """Validate the query and open the session's pipeline while the HTTP upgrade waits."""
+    cfg = ctx.config
+    session_id = "chat_" + secrets.token_hex(8)
+    persona = query.get("text_prompt", cfg.default_instructions)
+    seed = query.get("seed", "0")
+    try:
+        voice = resolve_voice(query.get("voice_prompt", cfg.default_voice), dict(cfg.voice_aliases), "voice_prompt",
+                              ctx.voices.is_enrolled)
+    except ClientError as e:
+        return _refused(ctx, session_id, Refusal(400, {"type": e.type, "code": e.code, "message": e.message}))
+    if len(persona) > cfg.max_instructions_chars or not _SEED.fullmatch(seed) or int(seed) >= 2**63:
+        return _refused(ctx, session_id, Refusal(400, {"type": "invalid_request_error", "code": "bad_event",
+                                                       "message": "text_prompt too long or seed not a non-negative integer"}))
+    voice, voice_audio = await asyncio.to_thread(ctx.voices.for_open, voice)  # enrolled: ships its audio
+    params = lambda: OpenParams(f"{session_id}.{secrets.token_hex(4)}", voice, persona, talker_pb2.Sampling(seed=int(seed)), voice_audio)  # noqa: E731
+    opening = asyncio.ensure_future(admit(ctx, params))
+    try:
+        pipeline = await asyncio.shield(opening)
+    except asyncio.CancelledError:  # the upgrade timed out or the server stops: release what opens later
+        opening.add_done_callback(lambda t: t.cancelled() or t.exception() or _in_background(release(ctx, t.result(), False)))
+        raise
+    except PipelineError as e:
+        error = {"type": e.error_type, "code": e.code, "message": e.message}
+        if e.client_fault:
+            return _refused(ctx, session_id, Refusal(400, error))
+        retry = RETRY_AFTER_FULL_S if e.code == "resource_exhausted" else RETRY_AFTER_DOWN_S
+        return _refused(ctx, session_id, Refusal(503, error, retry))
+    admitted = _Admitted(session_id, pipeline)
+    setattr(conn, _ADMITTED_ATTR, admitted)
+    _in_background(_release_if_unclaimed(ctx, conn, admitted))
+    return None
+
+
+def _refused(ctx, session_id: str, refusal: Refusal) -> Refusal:
+    code = refusal.error["code"]
+    ctx.metrics.errors.labels(refusal.error["type"], code).inc()
+    ctx.metrics.sessions_refused.labels("native", code).inc()
+    log.info("chat %s refused at the upgrade: %d %s: %s", session_id, refusal.status, code, refusal.error["message"][:200])
+    return refusal
+
+
+async def _release_if_unclaimed(ctx, conn: ServerConnection, admitted: _Admitted) -> None:
+    """An upgrade that never reached its session (the client left during the handshake) frees its slot."""
+    await conn.wait_closed()
+    if not admitted.claimed:
+        admitted.claimed = True
+        log.info("chat %s: the client left before the session started; releasing", admitted.session_id)
+        await release(ctx, admitted.pipeline, graceful=False)
 
 
 class NativeSession:
     def __init__(self, ws: ServerConnection, ctx, query: dict[str, str]):
         self.ws, self.ctx, self.cfg = ws, ctx, ctx.config
         self.query = query
-        self.session_id = "chat_" + secrets.token_hex(8)
+        self._admitted: _Admitted | None = getattr(ws, _ADMITTED_ATTR, None)
+        self.session_id = self._admitted.session_id if self._admitted else "chat_" + secrets.token_hex(8)
         self._out = OutputQueue(self.cfg.output_queue_events, self.cfg.output_queue_bytes)
         self._ended = asyncio.Event()
         self._close = (1000, "session closed")
@@ -63,36 +147,12 @@ class NativeSession:
                 self._close = (1008, "client not reading output")
                 self._ended.set()
 
-    async def _refuse(self, type_: str, code: str, message: str, close_code: int) -> None:
-        self.ctx.metrics.errors.labels(type_, code).inc()
-        self.ctx.metrics.sessions_refused.labels("native", code).inc()
-        log.info("chat %s refused: %s %s", self.session_id, code, message[:200])
-        try:
-            await self.ws.send(bytes([KIND_ERROR]) + f"{code}: {message}".encode())
-        except ConnectionClosed:
-            pass
-        await self.ws.close(close_code, code)
-
     async def run(self) -> None:
-        voice = self.query.get("voice_prompt", self.cfg.default_voice)
-        persona = self.query.get("text_prompt", self.cfg.default_instructions)
-        seed = self.query.get("seed", "0")
-        if voice and not (voice_names.is_bundled(voice) or self.ctx.voices.is_enrolled(voice)):
-            why = f"voice_prompt {brief(voice)} is not a bundled basename such as NATF2.pt or an enrolled voice name"
-            return await self._refuse("invalid_request_error", "invalid_voice", why, 1008)
-        if len(persona) > self.cfg.max_instructions_chars or not _SEED.fullmatch(seed) or int(seed) >= 2**63:
-            return await self._refuse("invalid_request_error", "bad_event", "text_prompt too long or seed not a non-negative integer", 1008)
-        if (refusal := admission_error(self.ctx.pool)) is not None:
-            return await self._refuse(refusal.error_type, refusal.code, refusal.message, 1013 if refusal.code in RETRY_LATER else 1011)
-        try:
-            voice, audio = await asyncio.to_thread(self.ctx.voices.for_open, voice)  # enrolled: ships its audio
-            params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice, persona,  # noqa: E731
-                                        talker_pb2.Sampling(seed=int(seed)), audio)
-            self._pipeline = await open_on_cells(self.ctx.pool.candidates(), params, open_timeout_s=self.cfg.open_timeout_s,
-                                                 stall_timeout_s=self.cfg.stall_timeout_s, cleanup_timeout_s=self.cfg.cleanup_timeout_s)
-        except PipelineError as e:
-            return await self._refuse(e.error_type, e.code, e.message, 1013 if e.code in RETRY_LATER else 1008 if e.client_fault else 1011)
-        p = self._pipeline
+        if self._admitted is None or self._admitted.claimed:  # sessions are admitted at the upgrade
+            await self.ws.close(1011, "session was not admitted")
+            return
+        self._admitted.claimed = True
+        p = self._pipeline = self._admitted.pipeline
         p.on_output = self._on_output
         p.on_error = self._on_error
         self.ctx.metrics.sessions_opened.labels("native").inc()
@@ -109,8 +169,7 @@ class NativeSession:
             for t in (reader, ended, idle):
                 t.cancel()
             await asyncio.gather(reader, ended, idle, return_exceptions=True)
-            if not await p.abort():
-                self.ctx.metrics.cleanup_unconfirmed.inc()
+            await release(self.ctx, p, graceful=False)
             self.ctx.metrics.sessions_active.labels("native").dec()
             log.info("chat %s released (frames in %d, out %d)", self.session_id, p.frames_in, p.frames_out)
             if self._close[0] != 1008 and not writer.done():

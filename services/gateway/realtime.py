@@ -22,19 +22,22 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Mapping
 
-import numpy as np
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from duplex.v1 import talker_pb2
 from services.common import voice_names
 from services.gateway import audio
+from services.gateway.admission import RETRY_LATER, admit, release
 from services.gateway.bounded import OutputQueue, RecentIds, brief
-from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError, open_on_cells
+from services.gateway.config import DEFAULT_VOICE_ALIASES
+from services.gateway.conversation import Conversation, client_message_content, new_id
+from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError
 
 log = logging.getLogger("gateway.realtime")
+DEFAULT_ALIASES = dict(DEFAULT_VOICE_ALIASES)
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
 TRUE = ("1", "true", "on", "yes")
@@ -43,17 +46,22 @@ FALSE = ("0", "false", "off", "no")
 GA_NAMES = ("response.output_audio.delta", "response.output_audio_transcript.delta")
 LEGACY_NAMES = ("response.audio.delta", "response.audio_transcript.delta")
 
-# Keys a client may put in `session`. Server-owned keys (id, object, capabilities, ...) are refused.
+# Keys a client may put in `session`. The first group is applied; `_IGNORED_KEYS` are standard
+# settings that SDKs always send and that cannot change what this model does (accepted, reported
+# as what is in effect). Other server-owned keys (capabilities, ...) are refused.
 _SESSION_KEYS = {
     "type", "model", "modalities", "output_modalities", "input_audio_format", "output_audio_format",
     "audio", "voice", "instructions", "turn_detection", "extra_body",
 }
+_IGNORED_KEYS = {"max_output_tokens", "tool_choice", "tracing", "tools", "id", "session_id", "object"}
 _EXTRA_BODY_KEYS = {"auto_response", "legacy_event_names", "seed", "greedy"}
 # Client ids the gateway echoes or remembers: longer ones are refused, not stored.
 MAX_EVENT_ID_CHARS = 256
 MAX_OPERATION_ID_CHARS = 128
 # Client errors logged per session (at INFO); past that they are only counted (a flood is one line).
 LOGGED_CLIENT_ERRORS = 20
+_TURN_DETECTION_NOTE = "the model takes turns itself (full duplex); no VAD runs"
+_TRANSCRIPTION_NOTE = "no user transcript: the model does not transcribe the user's audio"
 
 
 class ClientError(Exception):
@@ -77,6 +85,10 @@ class SessionSettings:
     legacy_event_names: bool = False
     greedy: bool = False
     seed: int = 0
+    # What the last update asked for that is accepted but not in effect: setting -> why.
+    not_in_effect: tuple[tuple[str, str], ...] = ()
+    # vLLM-Omni drivers name their session in session.update (used if it comes before the open).
+    requested_id: str | None = None
 
     def runtime_key(self) -> tuple:
         """What the talker was opened with; changing it needs a new prefill."""
@@ -98,22 +110,66 @@ def _format_from_ga(fmt: object, where: str) -> str:
     raise ClientError("unsupported_audio_format", f"{where}.type {brief(kind)}: only 'audio/pcm' (pcm16 LE mono) is supported", where)
 
 
+def resolve_voice(voice: object, aliases: Mapping[str, str], param: str,
+                  enrolled: Callable[[str], bool] = lambda name: False) -> str:
+    """A client's voice name -> the name a session opens with: a bundled basename ('NATF2.pt') or an
+    enrolled name ('carol', GET /v1/voices) as is; another vendor's name ('marin') through the
+    operator's alias table; any other bare name as the bundled 'NAME.pt' (LiveKit's 'NATF2').
+    Whether that voice exists is the talker's answer at open."""
+    if voice == "" or voice is None:
+        return ""
+    if isinstance(voice, str):
+        if voice_names.is_bundled(voice) or (voice_names.is_enrolled(voice) and enrolled(voice)):
+            return voice
+        if voice.lower() in aliases:
+            return aliases[voice.lower()]
+        if voice_names.is_enrolled(voice) and voice_names.is_bundled(voice + ".pt"):
+            return voice + ".pt"
+    raise ClientError("invalid_voice", f"voice {brief(voice)} is not a voice name: a bundled basename such as 'NATF2.pt' "
+                      "(no path), an enrolled name (GET /v1/voices) or a configured alias", param)
+
+
 def parse_session_update(session: object, current: SessionSettings, max_instructions: int,
+                         voice_aliases: Mapping[str, str] = DEFAULT_ALIASES,
                          enrolled: Callable[[str], bool] = lambda name: False) -> SessionSettings:
     """Validate a `session` object whole and return the settings it asks for (nothing is changed on error).
-    enrolled(name): whether a bare voice name is an enrolled voice (services/gateway/voices.py)."""
+
+    Lenient about what is harmless (standard fields SDKs always send are accepted and reported as not
+    in effect), strict about what would change behaviour and cannot be honoured (tools, a speed other
+    than 1.0, an unknown voice, another audio format). enrolled(name): whether a bare voice name is
+    an enrolled voice (services/gateway/voices.py)."""
     if not isinstance(session, dict):
         raise ClientError("bad_event", "'session' must be an object", "session")
-    unknown = sorted(set(session) - _SESSION_KEYS)
+    unknown = sorted(set(session) - _SESSION_KEYS - _IGNORED_KEYS, key=str)
     if unknown:
-        raise ClientError("bad_event", f"session.{brief(unknown[0])} is not a setting this server accepts", f"session.{unknown[0][:64]}")
-    s = current
+        raise ClientError("bad_event", f"session.{brief(unknown[0])} is not a setting this server accepts", "session")
+    s = replace(current, not_in_effect=())
+    notes: dict[str, str] = {}
     if "type" in session and session["type"] != "realtime":
         raise ClientError("bad_event", f"session.type {brief(session['type'])}: only 'realtime' is served", "session.type")
+    if session.get("object", "realtime.session") != "realtime.session":
+        raise ClientError("bad_event", "session.object must be 'realtime.session'", "session.object")
+    tools = session.get("tools", [])
+    if not isinstance(tools, list):
+        raise ClientError("bad_event", "session.tools must be a list", "session.tools")
+    if tools:
+        raise _unsupported("session.tools", "this model cannot call tools; send tools: [] or leave it out")
+    for key in ("id", "session_id"):
+        if key in session:
+            sid = session[key]
+            if not isinstance(sid, str) or not _SESSION_ID.match(sid):
+                raise ClientError("bad_event", f"session.{key} must be 1-64 characters of A-Za-z0-9_-.", f"session.{key}")
+            s = replace(s, requested_id=sid)
+    if "max_output_tokens" in session:
+        notes["max_output_tokens"] = "the response is continuous; it ends with the session"
+    if session.get("tool_choice") not in (None, "none"):
+        notes["tool_choice"] = "no tools are offered"
+    if session.get("tracing") is not None:
+        notes["tracing"] = "not offered by this server"
     for key in ("modalities", "output_modalities"):
         if key in session:
             mods = session[key]
-            if not isinstance(mods, list) or "audio" not in mods or not set(mods) <= {"audio", "text"}:
+            if not isinstance(mods, list) or "audio" not in mods or not set(map(str, mods)) <= {"audio", "text"}:
                 raise ClientError("bad_event", f"session.{key} must contain 'audio' (and may contain 'text'): the model always speaks", f"session.{key}")
     if "input_audio_format" in session:
         fmt = session["input_audio_format"]
@@ -122,32 +178,12 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         s = replace(s, input_format=fmt, input_format_explicit=True)
     if "output_audio_format" in session and session["output_audio_format"] != audio.PCM16:
         raise ClientError("unsupported_audio_format", f"output_audio_format {brief(session['output_audio_format'])}: only 'pcm16' is produced", "session.output_audio_format")
-    if "turn_detection" in session and session["turn_detection"] is not None:
-        raise _unsupported("turn_detection", "the model decides turns itself; send turn_detection: null")
+    if session.get("turn_detection") is not None:
+        notes["turn_detection"] = _TURN_DETECTION_NOTE
     if "audio" in session:
-        a = session["audio"]
-        if not isinstance(a, dict) or not set(a) <= {"input", "output"}:
-            raise ClientError("bad_event", "session.audio may only have 'input' and 'output'", "session.audio")
-        inp, out = a.get("input") or {}, a.get("output") or {}
-        if not isinstance(inp, dict) or not isinstance(out, dict):
-            raise ClientError("bad_event", "session.audio.input/output must be objects", "session.audio")
-        if "format" in inp:
-            s = replace(s, input_format=_format_from_ga(inp["format"], "session.audio.input.format"), input_format_explicit=True)
-        if inp.get("turn_detection") is not None:
-            raise _unsupported("turn_detection", "the model decides turns itself; send turn_detection: null")
-        for k in set(inp) - {"format", "turn_detection", "transcription", "noise_reduction"}:
-            raise ClientError("bad_event", f"session.audio.input.{brief(k)} is not a setting this server accepts", f"session.audio.input.{k[:64]}")
-        for k in ("transcription", "noise_reduction"):
-            if inp.get(k) is not None:
-                raise _unsupported(f"audio.input.{k}", "not offered by this model")
-        if "format" in out:
-            _format_from_ga(out["format"], "session.audio.output.format")
-        for k in set(out) - {"format", "voice"}:
-            raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts", f"session.audio.output.{k[:64]}")
-        if "voice" in out:
-            s = replace(s, voice=_check_voice(out["voice"], "session.audio.output.voice", enrolled))
+        s = _parse_ga_audio(session["audio"], s, notes, voice_aliases, enrolled)
     if "voice" in session:
-        s = replace(s, voice=_check_voice(session["voice"], "session.voice", enrolled))
+        s = replace(s, voice=resolve_voice(session["voice"], voice_aliases, "session.voice", enrolled))
     if "instructions" in session:
         text = session["instructions"]
         if not isinstance(text, str) or len(text) > max_instructions:
@@ -155,16 +191,36 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         s = replace(s, instructions=text)
     if "extra_body" in session:
         s = _parse_extra_body(session["extra_body"], s)
+    return replace(s, not_in_effect=tuple(sorted(notes.items())))
+
+
+def _parse_ga_audio(a: object, s: SessionSettings, notes: dict[str, str], voice_aliases: Mapping[str, str],
+                    enrolled: Callable[[str], bool]) -> SessionSettings:
+    if not isinstance(a, dict) or not set(a) <= {"input", "output"}:
+        raise ClientError("bad_event", "session.audio may only have 'input' and 'output'", "session.audio")
+    inp, out = a.get("input") or {}, a.get("output") or {}
+    if not isinstance(inp, dict) or not isinstance(out, dict):
+        raise ClientError("bad_event", "session.audio.input/output must be objects", "session.audio")
+    for k in sorted(set(inp) - {"format", "turn_detection", "transcription", "noise_reduction"}, key=str):
+        raise ClientError("bad_event", f"session.audio.input.{brief(k)} is not a setting this server accepts", "session.audio.input")
+    for k in sorted(set(out) - {"format", "voice", "speed"}, key=str):
+        raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts", "session.audio.output")
+    if "format" in inp:
+        s = replace(s, input_format=_format_from_ga(inp["format"], "session.audio.input.format"), input_format_explicit=True)
+    if inp.get("turn_detection") is not None:
+        notes["audio.input.turn_detection"] = _TURN_DETECTION_NOTE
+    if inp.get("transcription") is not None:
+        notes["audio.input.transcription"] = _TRANSCRIPTION_NOTE
+    if inp.get("noise_reduction") is not None:
+        notes["audio.input.noise_reduction"] = "input audio is used as sent"
+    if "format" in out:
+        _format_from_ga(out["format"], "session.audio.output.format")
+    speed = out.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed != 1.0:
+        raise _unsupported("audio.output.speed", f"{brief(speed)}: the model speaks at its own pace; only 1.0 is served")
+    if "voice" in out:
+        s = replace(s, voice=resolve_voice(out["voice"], voice_aliases, "session.audio.output.voice", enrolled))
     return s
-
-
-def _check_voice(voice: object, param: str, enrolled: Callable[[str], bool]) -> str:
-    if voice == "" or voice is None:
-        return ""
-    if not (voice_names.is_bundled(voice) or (voice_names.is_enrolled(voice) and enrolled(voice))):
-        raise ClientError("invalid_voice", f"voice {brief(voice)} is not a voice: a bundled basename such as "
-                          "'NATF2.pt' (no path) or an enrolled name (GET /v1/voices)", param)
-    return voice
 
 
 def _parse_extra_body(body: object, s: SessionSettings) -> SessionSettings:
@@ -199,20 +255,6 @@ def parse_event(message: str) -> dict:
     return event
 
 
-# Refusals a client should retry later (close 1013), not give up on.
-RETRY_LATER = ("resource_exhausted", "server_shutting_down")
-
-
-def admission_error(pool) -> PipelineError | None:
-    """Why no session can be opened now, before trying any cell (None: some cell admits)."""
-    state = pool.admission_state()
-    if state == "down":
-        return PipelineError("runtime_open_failed", "no cell is serving (every cell has a stage down)")
-    if state == "draining":
-        return PipelineError("server_shutting_down", "every cell is draining (shutting down): retry in a few seconds")
-    return None
-
-
 def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> dict:
     """What this deployment really does, from the polled capacity of the serving cells."""
     caps = {
@@ -224,7 +266,7 @@ def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> 
         "supports_multi_session_same_replica": pool_summary["max_cell_slots"] > 1,
         "supports_barge_in": False,
         "supports_session_resume": False,
-        "supports_audio_truncate": False,
+        "supports_audio_truncate": True,
         "supports_client_commit": False,
         "supports_input_append": True,
         "supports_model_native_turn_policy": True,
@@ -242,7 +284,6 @@ class _State:
     settings: SessionSettings
     pipeline: Pipeline | None = None
     audio_started: bool = False
-    response_created: bool = False
     closing: bool = False
     frames_out: int = 0
     recent_ops: RecentIds = field(default_factory=lambda: RecentIds(max_len=MAX_OPERATION_ID_CHARS))
@@ -255,15 +296,16 @@ class RealtimeSession:
         self.cfg = ctx.config
         sid = query.get("session_id", "")
         self.session_id = sid if _SESSION_ID.match(sid) else "sess_" + secrets.token_hex(8)
-        self.response_id = "resp_" + secrets.token_hex(8)
-        self.item_id = "item_" + secrets.token_hex(8)
         self.model = (query.get("model") or self.cfg.model)[:128]
         autostart = query.get("autostart", "").lower()
         self.autostart = ("model" in query and autostart not in FALSE) or autostart in TRUE
         legacy = query.get("legacy_events", "").lower() in TRUE
         self.st = _State(SessionSettings(voice=self.cfg.default_voice, instructions=self.cfg.default_instructions, legacy_event_names=legacy))
-        self._seq = 0
+        self.voice_aliases = dict(self.cfg.voice_aliases)
+        self.conv: Conversation | None = None  # from the first accepted audio on
+        self._next_metadata: dict | None = None  # a response.create's metadata, for the first response
         self._out = OutputQueue(self.cfg.output_queue_events, self.cfg.output_queue_bytes)
+        self._seq = 0  # server_event_seq of the last event sent
         self._client_errors = 0
         self._ended = asyncio.Event()
         self._close_code, self._close_reason = 1000, "session closed"
@@ -274,11 +316,10 @@ class RealtimeSession:
 
     # ---- outbound -------------------------------------------------------------
 
-    def emit(self, event: dict) -> None:
-        self._seq += 1
-        event = {"event_id": f"event_{secrets.token_hex(6)}", "server_event_seq": self._seq, **event}
+    def emit(self, event: dict, response_id: str | None = None) -> None:
+        """Queue an event; a response's deltas carry its id, so a cancel can drop them unsent."""
         try:
-            self._out.put_nowait(json.dumps(event, separators=(",", ":")))
+            self._out.put_nowait(json.dumps(event, separators=(",", ":")), tag=response_id)
         except asyncio.QueueFull:
             self._cut_off(f"client is not reading: {self._out.qsize()} events ({self._out.bytes} bytes) queued")
 
@@ -307,8 +348,10 @@ class RealtimeSession:
         self._ended.set()
 
     async def _write_loop(self) -> None:
+        # The envelope is added as each event goes out, so events a cancel dropped leave no gap.
         while (msg := await self._out.get()) is not None:
-            await self.ws.send(msg)
+            self._seq += 1
+            await self.ws.send(f'{{"event_id":"event_{secrets.token_hex(6)}","server_event_seq":{self._seq},{msg[1:]}')
 
     # ---- run ------------------------------------------------------------------
 
@@ -407,24 +450,31 @@ class RealtimeSession:
             "session.update": self._on_session_update,
             "input_audio_buffer.append": self._on_append,
             "input_audio_buffer.clear": self._on_clear,
-            "session.close": lambda e: self._on_close("completed"),
-            "response.cancel": lambda e: self._on_close("cancelled"),
+            "session.close": self._on_close,
             "session.heartbeat": self._on_heartbeat,
-            "input_audio_buffer.commit": refuse("input_audio_buffer.commit", "input is continuous (supports_client_commit=false)"),
-            "response.create": refuse("response.create", "one continuous response opens with the first audio"),
+            "response.cancel": self._on_cancel,
+            "conversation.item.truncate": self._on_truncate,
+            "conversation.item.create": self._on_item_create,
+            "conversation.item.delete": self._on_item_delete,
+            # Input is continuous and the response never stops: a turn's commit and a new
+            # response's create have nothing to do (SDKs send them in client-side turn mode).
+            "input_audio_buffer.commit": self._on_no_op,
+            "response.create": self._on_response_create,
             "session.resume": refuse("session.resume", "sessions cannot be resumed (supports_session_resume=false)"),
             "barge_in": refuse("barge_in", "the model handles overlapping speech itself (supports_barge_in=false)"),
             "session.barge_in": refuse("barge_in", "the model handles overlapping speech itself (supports_barge_in=false)"),
             "input_audio_buffer.barge_in": refuse("barge_in", "the model handles overlapping speech itself (supports_barge_in=false)"),
-            "output_audio_buffer.clear": refuse("output_audio_buffer.clear", "output audio cannot be truncated (supports_audio_truncate=false)"),
-            "conversation.item.truncate": refuse("conversation.item.truncate", "output audio cannot be truncated (supports_audio_truncate=false)"),
+            "output_audio_buffer.clear": refuse("output_audio_buffer.clear", "WebRTC only; send response.cancel"),
         }
 
     # ---- session lifecycle --------------------------------------------------
 
     def _session_object(self) -> dict:
+        """What is in effect (not what was asked): the resolved voice, no VAD, no transcription, no tools."""
         s = self.st.settings
-        ga_in = {"type": "audio/pcm", "rate": audio.SAMPLE_RATE} if s.input_format == audio.PCM16 else {"type": "audio/pcm_f32le", "rate": audio.SAMPLE_RATE}
+        pcm = {"type": "audio/pcm", "rate": audio.SAMPLE_RATE}
+        # GA has no float input format: a pcm_f32le session shows it in input_audio_format only.
+        audio_in = {"format": pcm} if s.input_format == audio.PCM16 else {}
         p = self.st.pipeline
         return {
             "object": "realtime.session",
@@ -434,14 +484,19 @@ class RealtimeSession:
             "voice": s.voice,
             "instructions": s.instructions,
             "modalities": ["audio", "text"],
-            "output_modalities": ["audio", "text"],
+            "output_modalities": ["audio"],
             "input_audio_format": s.input_format,
             "output_audio_format": audio.PCM16,
             "turn_detection": None,
             "audio": {
-                "input": {"format": ga_in, "turn_detection": None},
-                "output": {"format": {"type": "audio/pcm", "rate": audio.SAMPLE_RATE}, "voice": s.voice},
+                "input": {**audio_in, "turn_detection": None, "transcription": None, "noise_reduction": None},
+                "output": {"format": pcm, "voice": s.voice, "speed": 1.0},
             },
+            "tools": [],
+            "tool_choice": "none",
+            "max_output_tokens": "inf",
+            "tracing": None,
+            "not_in_effect": dict(s.not_in_effect),
             "event_names": "legacy" if s.legacy_event_names else "ga",
             "capabilities": capabilities(self.ctx.pool.capacity_summary(), p.output_delay_frames if p else None),
         }
@@ -449,6 +504,8 @@ class RealtimeSession:
     async def _open(self, settings: SessionSettings, client_event_id: str | None = None) -> bool:
         """Admit the session on a cell. On refusal the error goes out before any session.created
         (naming the session.update that asked, if it carried an event_id)."""
+        if settings.requested_id:
+            self.session_id = settings.requested_id
         try:
             pipeline = await self._open_pipeline(settings)
         except PipelineError as e:
@@ -466,17 +523,11 @@ class RealtimeSession:
         self.emit({"type": "session.updated", "session": self._session_object()})
         return True
 
-    async def _open_pipeline(self, settings: SessionSettings, prefer=None) -> Pipeline:
-        cells = self.ctx.pool.candidates()
-        if prefer is not None:
-            cells = [prefer] + [c for c in cells if c is not prefer]
+    async def _open_pipeline(self, settings: SessionSettings, prefer=None, wait: bool = True) -> Pipeline:
         voice, audio = await asyncio.to_thread(self.ctx.voices.for_open, settings.voice)  # enrolled: ships its audio
         params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice,  # noqa: E731
                                     settings.instructions, settings.sampling(), audio)
-        if (refusal := admission_error(self.ctx.pool)) is not None:
-            raise refusal
-        return await open_on_cells(cells, params, open_timeout_s=self.cfg.open_timeout_s, stall_timeout_s=self.cfg.stall_timeout_s,
-                                   cleanup_timeout_s=self.cfg.cleanup_timeout_s)
+        return await admit(self.ctx, params, prefer, wait=wait)
 
     def _adopt(self, p: Pipeline) -> None:
         """The session holds `p` now: it counts in the active gauge until `_retire` or `_release` lets it go."""
@@ -494,7 +545,7 @@ class RealtimeSession:
     async def _on_session_update(self, event: dict) -> None:
         if self.st.closing:
             raise ClientError("bad_event", "the session is closing")
-        new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars,
+        new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars, self.voice_aliases,
                                    self.ctx.voices.is_enrolled)
         client_event_id = event["event_id"] if isinstance(event.get("event_id"), str) else None
         if self.st.pipeline is None:
@@ -520,7 +571,7 @@ class RealtimeSession:
           the old slot is given up for the new settings, and another client may take it first."""
         cell = self.st.pipeline.cell
         try:
-            p = await self._open_pipeline(new, prefer=cell)
+            p = await self._open_pipeline(new, prefer=cell, wait=False)
         except PipelineError as e:
             if e.code != "resource_exhausted":
                 self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
@@ -544,8 +595,7 @@ class RealtimeSession:
         """Let the current pipeline go (before a reopen)."""
         p, self.st.pipeline = self.st.pipeline, None
         try:
-            if not await p.abort():
-                self.ctx.metrics.cleanup_unconfirmed.inc()
+            await release(self.ctx, p, graceful=False)
         finally:
             self.ctx.metrics.sessions_active.labels("realtime").dec()
 
@@ -588,7 +638,8 @@ class RealtimeSession:
             self.st.audio_started = True
             if fmt != s.input_format:
                 self.st.settings = replace(s, input_format=fmt)
-            self._response_created()
+            self.conv = Conversation(self.session_id, legacy=self.st.settings.legacy_event_names)
+            self._start_response()
         for frame in self._assembler.push(samples):
             await p.send_frame(frame)
             self.ctx.metrics.frames_in.inc()
@@ -597,25 +648,97 @@ class RealtimeSession:
         dropped = self._assembler.clear()
         self.emit({"type": "input_audio_buffer.cleared", "dropped_samples": dropped})
 
-    def _response_created(self) -> None:
-        if self.st.response_created:
-            return
-        self.st.response_created = True
-        self.emit({"type": "response.created", "response": self._response_object("in_progress")})
+    # ---- responses and barge-in ------------------------------------------------
 
-    def _response_object(self, status: str) -> dict:
-        return {"object": "realtime.response", "id": self.response_id, "status": status, "conversation_id": self.session_id,
-                "output_modalities": ["audio", "text"], "output": [{"id": self.item_id, "type": "message", "role": "assistant"}]}
+    def _start_response(self) -> None:
+        metadata, self._next_metadata = self._next_metadata, None
+        for ev in self.conv.start(metadata):
+            self.emit(ev)
+
+    def _finish_response(self, status: str, error: dict | None = None) -> None:
+        for ev in self.conv.finish(status, error=error):
+            self.emit(ev)
+
+    def _barge_in(self, why: str) -> None:
+        """End the current response now: its audio not yet sent is dropped, the next response starts
+        at once (the model, its context and the slot go on)."""
+        dropped = self._out.drop(self.conv.current.id)
+        log.info("session %s: %s: response %s cancelled, %d queued events dropped", self.session_id, why,
+                 self.conv.current.id, dropped)
+        self._finish_response("cancelled")
+        self._start_response()
+
+    async def _on_cancel(self, event: dict) -> None:
+        wanted = event.get("response_id")
+        if self.conv is None or self.st.closing or (wanted is not None and wanted != self.conv.current.id):
+            log.info("session %s: response.cancel with no such response in progress: nothing to do", self.session_id)
+            return
+        self._barge_in("response.cancel")
+
+    async def _on_truncate(self, event: dict) -> None:
+        item_id, end_ms, index = event.get("item_id"), event.get("audio_end_ms"), event.get("content_index", 0)
+        if self.conv is None or not self.conv.has(item_id):
+            raise ClientError("invalid_item_id", f"item_id {brief(item_id)} is not an assistant item of this session", "item_id")
+        if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
+            raise ClientError("bad_event", "audio_end_ms must be a non-negative integer", "audio_end_ms")
+        if index != 0:
+            raise ClientError("bad_event", "content_index must be 0 (one audio part per item)", "content_index")
+        if self.conv.items[item_id].role != "assistant":
+            raise ClientError("invalid_item_id", "only assistant audio items can be truncated", "item_id")
+        self.emit(self.conv.truncate(item_id, end_ms))
+        if not self.st.closing and item_id == self.conv.current.item.id:
+            self._barge_in("conversation.item.truncate")
+
+    async def _on_response_create(self, event: dict) -> None:
+        response = event.get("response")
+        metadata = response.get("metadata") if isinstance(response, dict) else None
+        if self.conv is None and isinstance(metadata, dict) and len(json.dumps(metadata)) <= 4096:
+            self._next_metadata = metadata  # the first response (at the first audio) carries it
+        log.info("session %s: response.create: the continuous response is (or will be) running", self.session_id)
+
+    async def _on_no_op(self, event: dict) -> None:
+        log.debug("session %s: %s: nothing to do (continuous input)", self.session_id, event["type"])
+
+    async def _on_item_create(self, event: dict) -> None:
+        """Context items frameworks send (history, system notes) are recorded and acknowledged. The
+        model reads only audio; its persona is `instructions`."""
+        item = event.get("item")
+        if not isinstance(item, dict) or item.get("type") != "message":
+            raise _unsupported("conversation.item.create", "only message items (no function calls: no tools are offered)")
+        content = client_message_content(item.get("role"), item.get("content"))
+        if content is None:
+            raise ClientError("bad_event", "item must be a system, user or assistant message with a list of text/audio parts", "item")
+        item_id = item.get("id") or new_id("item")
+        if not isinstance(item_id, str) or not _SESSION_ID.match(item_id):
+            raise ClientError("bad_event", "item.id must be 1-64 characters of A-Za-z0-9_-.", "item.id")
+        if self.conv is None:
+            self.conv = Conversation(self.session_id, legacy=self.st.settings.legacy_event_names)
+        if self.conv.has(item_id):
+            raise ClientError("item_create_duplicate_item_id", f"item {item_id!r} already exists", "item.id")
+        log.info("session %s: %s item %s recorded (text does not reach the model)", self.session_id, item["role"], item_id)
+        for ev in self.conv.add_client_item(item_id, item["role"], content):
+            self.emit(ev)
+
+    async def _on_item_delete(self, event: dict) -> None:
+        item_id = event.get("item_id")
+        if self.conv is None or not self.conv.has(item_id):
+            raise ClientError("invalid_item_id", f"item_id {brief(item_id)} is not an item of this session", "item_id")
+        if self.conv.current is not None and item_id == self.conv.current.item.id:
+            self._barge_in("conversation.item.delete")
+        self.emit(self.conv.delete(item_id))
 
     # ---- output -----------------------------------------------------------------
 
     def _on_output(self, f: OutputFrame) -> None:
         if self._ended.is_set():
             return
+        if self.conv is None or self.conv.current is None:
+            return  # output before any input cannot happen; after the end of the response nothing is sent
         audio_name, text_name = LEGACY_NAMES if self.st.settings.legacy_event_names else GA_NAMES
-        common = {"response_id": self.response_id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
-        self.emit({"type": audio_name, **common, "delta": audio.b64encode(audio.f32_to_pcm16_bytes(f.pcm)), "sample_rate_hz": audio.SAMPLE_RATE})
-        self.emit({"type": text_name, **common, "delta": f.text})
+        common = self.conv.delta_fields(f.text)
+        rid = common["response_id"]
+        self.emit({"type": audio_name, **common, "delta": audio.b64encode(audio.f32_to_pcm16_bytes(f.pcm)), "sample_rate_hz": audio.SAMPLE_RATE}, rid)
+        self.emit({"type": text_name, **common, "delta": f.text}, rid)
         self.st.frames_out += 1
         self.ctx.metrics.frames_out.inc()
         self.ctx.metrics.frame_latency.observe(f.latency_s)
@@ -632,18 +755,19 @@ class RealtimeSession:
     async def _end_after_failure(self) -> None:
         self.st.closing = True
         await self._release(graceful=False)
-        self._emit_done_and_closed("failed")
+        err = self.st.pipeline.failed if self.st.pipeline else None
+        self._emit_done_and_closed("failed", {"type": err.error_type, "code": err.code} if err else None)
         self._close_code, self._close_reason = 1011, "stage failure"
         self._ended.set()
 
     # ---- close ------------------------------------------------------------------
 
-    async def _on_close(self, status: str) -> None:
+    async def _on_close(self, event: dict) -> None:
         if self.st.closing:
             return
         self.st.closing = True
         p = self.st.pipeline
-        if p is not None and status == "completed" and p.failed is None:
+        if p is not None and p.failed is None:
             last = self._assembler.flush()
             if last is not None:
                 try:
@@ -651,18 +775,21 @@ class RealtimeSession:
                     self.ctx.metrics.frames_in.inc()
                 except PipelineError:
                     pass
-        await self._release(graceful=(status == "completed"))
+        await self._release(graceful=True)
         if p is not None and p.failed is not None:
             err = p.failed
             self.emit_error(err.error_type, err.code, err.message)
-            status = "failed"
-        self._emit_done_and_closed(status)
+            self._emit_done_and_closed("failed", {"type": err.error_type, "code": err.code})
+        else:
+            self._emit_done_and_closed("completed")
         self._ended.set()
 
-    def _emit_done_and_closed(self, status: str) -> None:
-        if self.st.pipeline is not None or self.st.response_created:
-            self._response_created()
-            self.emit({"type": "response.done", "response": self._response_object(status)})
+    def _emit_done_and_closed(self, status: str, error: dict | None = None) -> None:
+        if self.st.pipeline is not None and self.conv is None:  # opened, no audio yet: an empty response
+            self.conv = Conversation(self.session_id, legacy=self.st.settings.legacy_event_names)
+            self._start_response()
+        if self.conv is not None and self.conv.current is not None:
+            self._finish_response(status, error)
         p = self.st.pipeline
         self.emit({"type": "session.closed", "session_id": self.session_id, "frames_in": p.frames_in if p else 0,
                    "frames_out": self.st.frames_out, "cleanup_confirmed": self._cleanup_confirmed,
@@ -680,9 +807,7 @@ class RealtimeSession:
         await asyncio.shield(self._release_task)
 
     async def _release_once(self, p: Pipeline, graceful: bool) -> None:
-        self._cleanup_confirmed = await (p.close() if graceful else p.abort())
-        if not self._cleanup_confirmed:
-            self.ctx.metrics.cleanup_unconfirmed.inc()
+        self._cleanup_confirmed = await release(self.ctx, p, graceful)
         self.ctx.metrics.sessions_active.labels("realtime").dec()
         log.info("session %s released (frames in %d, out %d, latency %s, cleanup %s)", self.session_id, p.frames_in, p.frames_out,
                  p.latency_summary(), "confirmed" if self._cleanup_confirmed else "NOT confirmed")

@@ -31,10 +31,11 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from services.gateway import auth
+from services.gateway.admission import Releases
 from services.gateway.cells import CellPool
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.native import NativeSession
+from services.gateway.native import NativeSession, admit_at_upgrade
 from services.gateway.realtime import FALSE, TRUE, RealtimeSession
 from services.gateway.voices import PREFIX as VOICES_PREFIX
 from services.gateway.voices import Voices, accept_voice_uploads
@@ -65,8 +66,8 @@ def _response(status: int, body: bytes, content_type: str, extra: list[tuple[str
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 
 
-def _json(status: int, obj: dict) -> Response:
-    return _response(status, json.dumps(obj).encode(), "application/json")
+def _json(status: int, obj: dict, extra: list[tuple[str, str]] = ()) -> Response:
+    return _response(status, json.dumps(obj).encode(), "application/json", extra)
 
 
 class Gateway:
@@ -80,6 +81,7 @@ class Gateway:
         self.metrics = GatewayMetrics(worker, metrics_dir)
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
         self.voices = Voices(config, self.pool)
+        self.releases = Releases()
         self.server: Server | None = None
 
     @property
@@ -101,6 +103,8 @@ class Gateway:
             select_subprotocol=auth.select_subprotocol,
             server_header="personaplex-gateway",
             create_connection=accept_voice_uploads(self.config.voice_upload_bytes),
+            # /api/chat opens its session (prompt prefill included) before the upgrade's answer.
+            open_timeout=max(10.0, self.config.open_timeout_s + 5.0),
         )
         log.info("gateway%s listening on http://%s:%d (%d cell(s) configured%s)",
                  f" worker {self.worker}" if self.config.workers > 1 else "", self.config.host, self.port,
@@ -114,7 +118,7 @@ class Gateway:
 
     # ---- HTTP -------------------------------------------------------------
 
-    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+    async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
         path = url.path
         if path in WS_PATHS:
@@ -132,6 +136,11 @@ class Gateway:
             if path == "/v1/realtime" and duplex not in TRUE:
                 why = "this server only speaks the duplex wire (duplex=1)" if duplex in FALSE else f"duplex={duplex!r} is not 1|true|on"
                 return _json(400, {"error": {"type": "invalid_request_error", "code": "bad_request", "message": why}})
+            if path == "/api/chat":  # refused here with an HTTP status, or opened and handed to the session
+                refusal = await admit_at_upgrade(self, conn, query)
+                if refusal is not None:
+                    retry = [("Retry-After", str(refusal.retry_after_s))] if refusal.retry_after_s else []
+                    return _json(refusal.status, {"error": refusal.error}, retry)
             return None  # go on with the WebSocket handshake
         if path == CLIENT_SECRETS_PATH:
             return self._client_secret(request)
@@ -144,7 +153,7 @@ class Gateway:
         if path == "/health/live":
             return _json(200, {"status": "alive"})
         if path == VOICES_PREFIX or path.startswith(VOICES_PREFIX + "/"):
-            return self.voices.handle(request)
+            return await self.voices.handle(request)
         if path == "/metrics":
             return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
         return self._static(path)
