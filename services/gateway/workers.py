@@ -18,6 +18,8 @@ Supervision.
   connections close. A crash loop (more than MAX_RESTARTS within RESTART_WINDOW_S) stops every worker and
   the parent exits 1, so a bad deployment fails loudly instead of spinning.
 - Workers die with the parent: each asks the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG).
+- A worker is `python -m services.gateway.workers INDEX FD PARENT_PID` (so ps and py-spy name it) with the
+  parent's config pickled on its stdin; the parent's only children are its workers.
 - Metrics: a private PROMETHEUS_MULTIPROC_DIR per start, removed at exit; a dead worker's live gauges
   (sessions active, its connections) are dropped from the sums at once (mark_process_dead; metrics.py).
 
@@ -32,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
+import pickle
+import select
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +69,6 @@ def supervise(config: GatewayConfig) -> int:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
         return 1
     metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
-    os.environ[METRICS_DIR_ENV] = metrics_dir  # the workers inherit it before they import prometheus_client
     try:
         return _Supervisor(config, sockets, metrics_dir).run()
     finally:
@@ -104,8 +106,8 @@ def _exit_reason(code: int | None) -> str:
 class _Supervisor:
     def __init__(self, config: GatewayConfig, sockets: list[socket.socket], metrics_dir: str):
         self.config, self.sockets, self.metrics_dir = config, sockets, metrics_dir
-        self.spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of grpc's state is forked
-        self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.exits: dict[int, int] = {}  # worker index -> a pidfd readable once that worker has exited
         self.restarts: collections.deque[float] = collections.deque()
         self.first_signal_at: float | None = None
         self.kill_requested = False
@@ -125,7 +127,7 @@ class _Supervisor:
             self._start(i)
         try:
             while self.procs:
-                multiprocessing.connection.wait([p.sentinel for p in self.procs.values()] + [wake_r])
+                select.select([*self.exits.values(), wake_r], [], [])
                 while True:
                     try:
                         if not os.read(wake_r, 64):
@@ -155,11 +157,17 @@ class _Supervisor:
             self.kill_requested = True
 
     def _start(self, i: int) -> None:
-        p = self.spawn.Process(target=run_worker, name=f"gateway-worker-{i}",
-                               args=(self.config, i, self.sockets[i], self.metrics_dir, os.getpid()))
-        p.start()
-        self.procs[i] = p
+        fd = self.sockets[i].fileno()
+        cmd = [sys.executable, "-m", "services.gateway.workers", str(i), str(fd), str(os.getpid())]
+        env = {**os.environ, METRICS_DIR_ENV: self.metrics_dir}
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=[fd], env=env)
+        self.procs[i], self.exits[i] = p, os.pidfd_open(p.pid)
         log.info("worker %d started (pid %d)", i, p.pid)
+        try:
+            p.stdin.write(pickle.dumps(self.config))
+            p.stdin.close()
+        except BrokenPipeError:  # it died at once: reaped like any exit
+            pass
 
     def _stop(self, sig: signal.Signals) -> None:
         if not self.stopping:
@@ -174,41 +182,46 @@ class _Supervisor:
 
     def _reap(self) -> None:
         for i, p in list(self.procs.items()):
-            if p.exitcode is None:
+            if p.poll() is None:
                 continue
-            p.join()
             del self.procs[i]
+            os.close(self.exits.pop(i))
             mark_process_dead(p.pid, self.metrics_dir)
             if self.stopping:
-                log.info("worker %d (pid %d) %s", i, p.pid, _exit_reason(p.exitcode))
+                log.info("worker %d (pid %d) %s", i, p.pid, _exit_reason(p.returncode))
             else:
                 self._crashed(i, p)
 
-    def _crashed(self, i: int, p) -> None:
+    def _crashed(self, i: int, p: subprocess.Popen) -> None:
         now = time.monotonic()
         while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
             self.restarts.popleft()
         if len(self.restarts) >= MAX_RESTARTS:
             log.critical("worker %d (pid %d) %s: %d restarts within %.0f s, stopping the gateway",
-                         i, p.pid, _exit_reason(p.exitcode), len(self.restarts), RESTART_WINDOW_S)
+                         i, p.pid, _exit_reason(p.returncode), len(self.restarts), RESTART_WINDOW_S)
             self.exit_code = 1
             self._stop(signal.SIGTERM)
             return
         self.restarts.append(now)
-        log.error("worker %d (pid %d) %s; its sessions are lost; restarting it", i, p.pid, _exit_reason(p.exitcode))
+        log.error("worker %d (pid %d) %s; its sessions are lost; restarting it", i, p.pid, _exit_reason(p.returncode))
         self._start(i)
 
 
-def run_worker(config: GatewayConfig, index: int, sock: socket.socket, metrics_dir: str, parent_pid: int) -> None:
-    """One worker process: a Gateway on the parent's socket until SIGTERM/SIGINT."""
+def _worker_main(argv: list[str]) -> None:
+    """`python -m services.gateway.workers INDEX FD PARENT_PID`, started by _Supervisor._start: a Gateway on
+    the parent's socket until SIGTERM/SIGINT, its metrics in the parent's directory."""
+    index, fd, parent_pid = (int(a) for a in argv)
     _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s gateway[w{index}] %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)
-    if os.environ.get(METRICS_DIR_ENV) != metrics_dir:
-        raise SystemExit(f"worker {index}: {METRICS_DIR_ENV} is not the supervisor's {metrics_dir}")
+    metrics_dir = os.environ.get(METRICS_DIR_ENV)  # set before prometheus_client was imported, as it needs
+    if not metrics_dir:
+        raise SystemExit(f"gateway worker {index}: no {METRICS_DIR_ENV}; start workers with --workers N")
+    config: GatewayConfig = pickle.load(sys.stdin.buffer)  # the parent's own config, over a pipe only it holds
     from services.gateway.server import Gateway, serve_until_signalled
 
-    asyncio.run(serve_until_signalled(Gateway(config, worker=index, listen_socket=sock, metrics_dir=metrics_dir)))
+    gateway = Gateway(config, worker=index, listen_socket=socket.socket(fileno=fd), metrics_dir=metrics_dir)
+    asyncio.run(serve_until_signalled(gateway))
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -219,3 +232,7 @@ def _die_with_parent(parent_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:
         raise SystemExit("the gateway supervisor is gone")
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])
