@@ -65,7 +65,7 @@ class FrontdoorConfig(BenchConfig):
     sessions: str = "96,128,160,168"
     duration_s: float = 60.0
     probe_sessions: int = 2
-    gateway_workers: str = "auto"  # the gateway's --workers; "" leaves the flag out (the gateway's default)
+    gateway_workers: str = "4"  # the gateway's --workers ("" leaves the flag out: the gateway's default)
     gateway_args: str = ""  # extra gateway flags
     driver_procs: int = 8  # load driver processes (tools.load_driver --procs)
     driver_args: str = "--max-frame-latency-p99-ms 250"  # extra load driver flags: the targets' latency bound

@@ -313,13 +313,15 @@ def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, li
     talker += ["--preload-voices", cfg.voice]
     if cfg.full_context:
         talker += ["--bench-full-context", "true"]
-    # The codecs as deployed (k8s/overlays/gpu): CUDA graphs, and a 20 ms batch wait on the GPU (a
-    # step costs the same for 1 or N streams). --codec-args and then --encoder-args / --decoder-args
+    # The codecs as deployed (k8s/overlays/gpu): CUDA graphs, and on the GPU a batch wait of 20 ms
+    # for the encoder (a step costs the same for 1 or N streams) and 2 ms for the decoder (a tick's
+    # outputs arrive together). --codec-args and then --encoder-args / --decoder-args
     # come after, so they override these.
-    codec = ["--threads", "1"] + (["--cuda-graph", "true", "--batch-wait-ms", "20"] if cfg.cuda else [])
-    return {"encoder": common + codec + shlex.split(cfg.codec_args) + shlex.split(cfg.encoder_args),
+    codec = ["--threads", "1"] + (["--cuda-graph", "true"] if cfg.cuda else [])
+    wait = {"encoder": ["--batch-wait-ms", "20"], "decoder": ["--batch-wait-ms", "2"]} if cfg.cuda else {}
+    return {"encoder": common + codec + wait.get("encoder", []) + shlex.split(cfg.codec_args) + shlex.split(cfg.encoder_args),
             "talker": common + talker + shlex.split(cfg.talker_args),
-            "decoder": common + codec + shlex.split(cfg.codec_args) + shlex.split(cfg.decoder_args)}
+            "decoder": common + codec + wait.get("decoder", []) + shlex.split(cfg.codec_args) + shlex.split(cfg.decoder_args)}
 
 
 def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict[str, ServiceProcess], dict]:

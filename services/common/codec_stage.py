@@ -88,6 +88,7 @@ class CodecBatcher:
         self._pace: dict[int, _Pace] = {}  # slot -> its stream's pace (phased: the backlog test)
         self._urgent = False  # a phased batch holds a frame from a backlog: step now, not at the grid time
         self._pending: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
+        self._oldest_pending_at = 0.0  # loop time the oldest pending frame arrived
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{runtime.stage}-step")
         self._task: asyncio.Task | None = None
@@ -120,6 +121,8 @@ class CodecBatcher:
             raise Internal(f"slot {slot} already has a frame pending")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if not self._pending:
+            self._oldest_pending_at = loop.time()
         self._pending[slot] = (x, fut)
         pace = self._pace.setdefault(slot, _Pace(first=loop.time()))
         if self.step_phase_s is not None and self._behind(pace, loop.time()):
@@ -178,11 +181,12 @@ class CodecBatcher:
                 return
 
     async def _gather(self, loop) -> None:
-        """Wait up to batch_wait_s for more frames, but not once every live stream has one pending.
+        """Wait until batch_wait_s after the oldest pending frame arrived for more frames, but not once
+        every live stream has one pending. A frame that arrived during the last step has waited already.
 
         A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape
         batch), so a short wait that lets streams of a different phase join saves whole steps."""
-        await self._wait_until(loop, loop.time() + self.batch_wait_s,
+        await self._wait_until(loop, self._oldest_pending_at + self.batch_wait_s,
                                lambda: len(self._pending) >= len(self.runtime.streams))
 
     async def _until_grid(self, loop) -> None:
