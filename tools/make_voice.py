@@ -21,10 +21,11 @@ from services.common import voice_audio
 from services.common.checkpoint import CheckpointError, CheckpointPaths, InvalidVoice
 from services.common.mimi import MimiConfig, MimiModel
 from services.talker import prompt
-from services.talker.config import DTYPES
 from services.talker.model import LMConfig, LMModel
 from services.talker.voice_recorder import record
 from services.talker.voices import VoicePrompt, save_voice
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def load_embedder(paths: CheckpointPaths, dtype: torch.dtype = torch.bfloat16) -> LMModel:

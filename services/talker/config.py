@@ -18,7 +18,6 @@ from services.common.stage_server import STREAM_IDLE_TIMEOUT_S
 from services.common.stage_config import load_config
 
 ENV_PREFIX = "TALKER_"
-ALIGNMENTS = ("personaplex", "moshi")  # live-step timings (engine.py module doc)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -114,6 +113,8 @@ class TalkerConfig:
             raise ValueError(f"cuda_graph needs a CUDA device, got device {self.device!r}")
         if self.compile and not self.device.startswith("cuda"):
             raise ValueError(f"compile needs a CUDA device (the CPU runs the eager kernels), got device {self.device!r}")
+        from services.talker.engine import ALIGNMENTS  # the engine's fact; it does not import this module
+
         if self.alignment not in ALIGNMENTS:
             raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}, got {self.alignment!r}")
         if self.context < 0:

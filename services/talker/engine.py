@@ -48,16 +48,17 @@ from services.common import voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.text import InvalidText, TextTokenizer
 from services.talker import prompt
-from services.talker.config import ALIGNMENTS
 from services.talker.model import LMConfig, LMModel
 from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, noise_key, sample
 from services.talker.voices import RING, VoicePrompt, load_voice
 
-__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling", "InvalidVoice"]
+__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling", "InvalidVoice",
+           "ALIGNMENTS"]
 
 log = logging.getLogger("talker.engine")
 
 AGENT_CODEBOOKS = 8
+ALIGNMENTS = ("personaplex", "moshi")  # the live-step timings (module doc); TalkerConfig.alignment
 GRAPH_TEXT_TOP_K = 1024  # text top-k width a CUDA-graphed step is captured for (audio: the whole card)
 
 
