@@ -88,7 +88,6 @@ class CodecBatcher:
         self._pace: dict[int, _Pace] = {}  # slot -> its stream's pace (phased: the backlog test)
         self._urgent = False  # a phased batch holds a frame from a backlog: step now, not at the grid time
         self._pending: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
-        self._oldest_pending_at = 0.0  # loop time the oldest pending frame arrived
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{runtime.stage}-step")
         self._task: asyncio.Task | None = None
@@ -121,8 +120,6 @@ class CodecBatcher:
             raise Internal(f"slot {slot} already has a frame pending")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        if not self._pending:
-            self._oldest_pending_at = loop.time()
         self._pending[slot] = (x, fut)
         pace = self._pace.setdefault(slot, _Pace(first=loop.time()))
         if self.step_phase_s is not None and self._behind(pace, loop.time()):
@@ -181,12 +178,14 @@ class CodecBatcher:
                 return
 
     async def _gather(self, loop) -> None:
-        """Wait until batch_wait_s after the oldest pending frame arrived for more frames, but not once
-        every live stream has one pending. A frame that arrived during the last step has waited already.
+        """Wait up to batch_wait_s for more frames, but not once every live stream has one pending.
 
         A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape
-        batch), so a short wait that lets streams of a different phase join saves whole steps."""
-        await self._wait_until(loop, self._oldest_pending_at + self.batch_wait_s,
+        batch), so a short wait that lets streams of a different phase join saves whole steps.
+        (Counting the wait from the oldest pending frame instead, so a frame that waited through a
+        step is not held again, made more encoder steps beside the talker's: at 160 sessions on the
+        H200 ticks within 80 ms fell from 100 % to 98.9 % and frame latency p50 rose 190 -> 206 ms.)"""
+        await self._wait_until(loop, loop.time() + self.batch_wait_s,
                                lambda: len(self._pending) >= len(self.runtime.streams))
 
     async def _until_grid(self, loop) -> None:
