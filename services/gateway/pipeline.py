@@ -316,11 +316,22 @@ class Pipeline:
                 sampling=params.sampling, voice_audio=params.voice_audio)),
             "decoder": decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
         }
-        for stage, request in opens.items():
-            p._send(stage, request=request)
-        await asyncio.wait(p._opened.values(), timeout=open_timeout_s)
+        # The talker first, the codecs once it accepts: the talker's slot refusal alone decides
+        # admission. Opening all three at once let concurrent opens (two gateway workers) get each
+        # stage's last slots in a different order, and a caller refused anywhere is refused whole:
+        # a 4-slot cell admitted 1-4 of 12 racing callers.
+        deadline = time.monotonic() + open_timeout_s
+        p._send("talker", request=opens["talker"])
+        await asyncio.wait([p._opened["talker"]], timeout=open_timeout_s)
+        if _open_outcome(p._opened["talker"]) is None:
+            for stage in ("encoder", "decoder"):
+                p._send(stage, request=opens[stage])
+            await asyncio.wait([p._opened["encoder"], p._opened["decoder"]], timeout=max(0.0, deadline - time.monotonic()))
+        else:
+            for stage in ("encoder", "decoder"):  # never opened there: nothing to end
+                p._stage_ended(stage, StageEnd(grpc.StatusCode.CANCELLED, "not_opened", "the talker refused first"))
         outcomes = {s: _open_outcome(f) for s, f in p._opened.items()}
-        failures = {s: why for s, why in outcomes.items() if why is not None}
+        failures = {s: why for s, why in outcomes.items() if why is not None and not _never_opened(why)}
         if failures:
             # Nothing half-opened: end what did open and wait until each stage acknowledges.
             p._aborting = p._closing = True
@@ -469,7 +480,7 @@ class Pipeline:
         # A stage that failed cannot acknowledge; the session's cleanup is confirmed when every
         # stage that is still alive did.
         failed_stage = self._failed.stage if self._failed else None
-        self.cleanup_confirmed = all(end is not None and (end.ok or s == failed_stage or end.kind == "link_lost")
+        self.cleanup_confirmed = all(end is not None and (end.ok or s == failed_stage or end.kind in ("link_lost", "not_opened"))
                                      for s, end in ends.items())
         if self._counted:
             self.cell.live_sessions -= 1
@@ -499,6 +510,10 @@ def _describe(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name} {e.details() or ''}".strip()
     return f"{type(e).__name__}: {e}"
+
+
+def _never_opened(why) -> bool:
+    return isinstance(why, StageEnd) and why.kind == "not_opened"
 
 
 def _open_outcome(fut: asyncio.Future) -> StageEnd | PipelineError | None:
