@@ -49,7 +49,7 @@ from bench.pipeline_report import stage_block, talker_block
 from bench.pipeline_stats import counter_by_label, ms_summary
 from tools.load_driver.input_audio import input_signal
 from tools.load_driver.session import RealtimeSession, realtime_url, session_update
-from tools.procs import REPO_ROOT, _die_with_parent, free_port
+from tools.procs import REPO_ROOT, ServiceStartError, _die_with_parent, free_port
 from tools.run_stack import GatewayProcess
 
 STAGES = ("encoder", "talker", "decoder")
@@ -404,9 +404,19 @@ def main(argv: list[str] | None = None) -> int:
             problem = mps.probe()
             if problem is not None:
                 raise SystemExit(f"mps: {problem}")
-        slots = max(cfg.sweep)
-        log(f"services: encoder, talker, decoder with {slots} slots on {cfg.device}")
-        procs, info = start_services(cfg, checkpoint, slots)
+        sweep = cfg.sweep
+        for slots in sorted(sweep, reverse=True):  # the largest N that starts (its KV may not fit)
+            log(f"services: encoder, talker, decoder with {slots} slots on {cfg.device}")
+            try:
+                procs, info = start_services(cfg, checkpoint, slots)
+                break
+            except ServiceStartError as e:
+                log(f"services: did not start with {slots} slots: {str(e)[-1500:]}")
+                result["runs"].append({"sessions": slots, "passed": False, "failed": f"services did not start: {str(e)[-1500:]}"})
+                write()
+        else:
+            return 3
+        sweep = [n for n in sweep if n <= slots]
         info["args"] = {s: a.replace(str(checkpoint), "<checkpoint>") for s, a in info["args"].items()}
         result["services"] = info
         spec = ",".join(procs[s].address for s in STAGES)
@@ -414,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway = GatewayProcess(spec, port=free_port(), args=args).start(timeout=60)
         log(f"gateway: {gateway.http_url} ({' '.join(args) or 'default flags'}), pids {gateway_pids(gateway)}")
         write()
-        for n in cfg.sweep:
+        for n in sweep:
             if deadline - time.monotonic() < cfg.duration_s + 60:
                 result["runs"].append({"sessions": n, "passed": False, "failed": "skipped: time budget"})
                 write()
