@@ -312,7 +312,8 @@ class RealtimeSession:
         self._bg: set[asyncio.Task] = set()
         self._slow_client = False
         self._assembler = audio.FrameAssembler()
-        self._connected_at = self._audio_at = time.monotonic()
+        self._audio_at = time.monotonic()  # connect, open, or the last append: the idle clock
+        self._opening = 0  # opens in flight (never idle meanwhile: a prefill may take a while)
 
     # ---- outbound -------------------------------------------------------------
 
@@ -398,11 +399,13 @@ class RealtimeSession:
             return
         while not self.st.closing:
             await asyncio.sleep(min(1.0, min(limits) / 4))
+            if self._opening:
+                continue
             if self.st.pipeline is None:
-                limit, since, what = self.cfg.idle_connection_timeout_s, self._connected_at, "no session was opened"
+                limit, what = self.cfg.idle_connection_timeout_s, "no session was opened"
             else:
-                limit, since, what = self.cfg.idle_session_timeout_s, self._audio_at, "no audio was appended"
-            if limit > 0 and time.monotonic() - since > limit and not self.st.closing:
+                limit, what = self.cfg.idle_session_timeout_s, "no audio was appended"
+            if limit > 0 and time.monotonic() - self._audio_at > limit and not self.st.closing:
                 await self._end_idle(f"{what} for {limit:g} s")
                 return
 
@@ -524,10 +527,14 @@ class RealtimeSession:
         return True
 
     async def _open_pipeline(self, settings: SessionSettings, prefer=None, wait: bool = True) -> Pipeline:
-        voice, audio = await asyncio.to_thread(self.ctx.voices.for_open, settings.voice)  # enrolled: ships its audio
-        params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice,  # noqa: E731
-                                    settings.instructions, settings.sampling(), audio)
-        return await admit(self.ctx, params, prefer, wait=wait)
+        self._opening += 1
+        try:
+            voice, audio = await asyncio.to_thread(self.ctx.voices.for_open, settings.voice)  # enrolled: ships its audio
+            params = lambda: OpenParams(f"{self.session_id}.{secrets.token_hex(4)}", voice,  # noqa: E731
+                                        settings.instructions, settings.sampling(), audio)
+            return await admit(self.ctx, params, prefer, wait=wait)
+        finally:
+            self._opening -= 1
 
     def _adopt(self, p: Pipeline) -> None:
         """The session holds `p` now: it counts in the active gauge until `_retire` or `_release` lets it go."""
@@ -577,6 +584,10 @@ class RealtimeSession:
                 self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
                 return False
             p = None
+        if self.st.closing:  # the old pipeline failed meanwhile: the session is ending, the new one is not wanted
+            if p is not None:
+                await p.abort()
+            return False
         await self._retire()
         if p is not None:
             self._adopt(p)
