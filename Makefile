@@ -6,6 +6,8 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 RUNTIME := $(VENV)/.runtime-installed
 TESTDEP := $(VENV)/.test-installed
+FWVENV  ?= .venv-frameworks
+FWDEP   := $(FWVENV)/.installed
 STUBS   := duplex/v1/talker_pb2_grpc.py
 PROTOS  := $(wildcard protos/duplex/v1/*.proto)
 
@@ -14,16 +16,17 @@ ARGS    ?=
 # Options for pytest, e.g. `make test PYTEST_ARGS="-k mimi -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-test stubs checkpoint clean
+.PHONY: run test setup setup-test setup-frameworks stubs checkpoint clean
 
 run: setup stubs
 	$(PY) -m tools.run_stack $(ARGS)
 
-test: setup-test stubs
+test: setup-test setup-frameworks stubs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(RUNTIME)
 setup-test: $(TESTDEP)
+setup-frameworks: $(FWDEP)
 
 # CPU machines install the local torch 2.13.0 build first (a range would pull a
 # multi-GB CUDA build); the GPU image's own torch is used there instead.
@@ -39,6 +42,15 @@ $(RUNTIME): pyproject.toml
 $(TESTDEP): $(RUNTIME)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps moshi==0.2.13
+	touch $@
+
+# Test-only: the voice-agent framework clients (pyproject's [tool.personaplex] framework-test-clients),
+# in their own venv: pipecat pins protobuf<7, the runtime's grpcio-tools needs protobuf>=7.35.
+$(FWDEP): pyproject.toml
+	test -x $(FWVENV)/bin/python || python3 -m venv $(FWVENV)
+	$(FWVENV)/bin/python -m pip install -q --upgrade pip
+	python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['personaplex']['framework-test-clients']))" > $(FWVENV)/requirements.txt
+	$(FWVENV)/bin/python -m pip install -q -r $(FWVENV)/requirements.txt
 	touch $@
 
 # gRPC stubs are generated from protos/ at install time, never committed.

@@ -178,7 +178,7 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         s = replace(s, input_format=fmt, input_format_explicit=True)
     if "output_audio_format" in session and session["output_audio_format"] != audio.PCM16:
         raise ClientError("unsupported_audio_format", f"output_audio_format {brief(session['output_audio_format'])}: only 'pcm16' is produced", "session.output_audio_format")
-    if session.get("turn_detection") is not None:
+    if session.get("turn_detection") not in (None, False):  # False: the client turned VAD off
         notes["turn_detection"] = _TURN_DETECTION_NOTE
     if "audio" in session:
         s = _parse_ga_audio(session["audio"], s, notes, voice_aliases, enrolled)
@@ -207,7 +207,7 @@ def _parse_ga_audio(a: object, s: SessionSettings, notes: dict[str, str], voice_
         raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts", "session.audio.output")
     if "format" in inp:
         s = replace(s, input_format=_format_from_ga(inp["format"], "session.audio.input.format"), input_format_explicit=True)
-    if inp.get("turn_detection") is not None:
+    if inp.get("turn_detection") not in (None, False):
         notes["audio.input.turn_detection"] = _TURN_DETECTION_NOTE
     if inp.get("transcription") is not None:
         notes["audio.input.transcription"] = _TRANSCRIPTION_NOTE

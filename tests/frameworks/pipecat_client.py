@@ -1,0 +1,137 @@
+"""pipecat-ai's OpenAIRealtimeLLMService, unmodified, in a standard pipeline with a context aggregator:
+
+    speech source -> user context aggregator -> OpenAIRealtimeLLMService -> sink -> assistant aggregator
+
+The source pushes paced 80 ms InputAudioRawFrames (a transport would); mid-stream it interrupts the
+pipeline the standard way (broadcast_interruption(), as a turn analyzer does), which with local turn
+handling makes the service send input_audio_buffer.clear, response.cancel and
+conversation.item.truncate; a UserStoppedSpeakingFrame then makes it send commit + response.create.
+pipecat treats any server `error` event as fatal, so every one of these must be accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import fw_common as fw
+from pipecat.frames.frames import (EndFrame, ErrorFrame, InputAudioRawFrame, LLMRunFrame, StartFrame, TTSAudioRawFrame,
+                                   TTSTextFrame, UserStoppedSpeakingFrame)
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+from pipecat.processors.frame_processor import FrameProcessor
+from pipecat.services.openai.realtime import events as rt_events
+from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+from pipecat.workers.runner import WorkerRunner
+
+RAW_EVENTS: list[dict] = []
+_parse = rt_events.parse_server_event
+
+
+def _recording_parse(message):  # observes what pipecat receives; pipecat's own parser still decides
+    import json
+    RAW_EVENTS.append(fw.short_event(json.loads(message)))
+    return _parse(message)
+
+
+rt_events.parse_server_event = _recording_parse
+
+
+class Sink(FrameProcessor):
+    def __init__(self):
+        super().__init__()
+        self.samples, self.texts, self.errors = 0, [], []
+
+    async def process_frame(self, frame, direction):
+        await super().process_frame(frame, direction)
+        if isinstance(frame, TTSAudioRawFrame):
+            self.samples += len(frame.audio) // 2
+        elif isinstance(frame, TTSTextFrame) and frame.text:
+            self.texts.append(frame.text)
+        elif isinstance(frame, ErrorFrame):
+            self.errors.append(frame.error[:300])
+        await self.push_frame(frame, direction)
+
+
+class SpeechSource(FrameProcessor):
+    """What a transport does with a microphone: paced InputAudioRawFrames."""
+
+    def __init__(self, pcm, a, sink: Sink):
+        super().__init__()
+        self.pcm, self.a, self.sink = pcm, a, sink
+        self.out: dict = {}
+        self.done = asyncio.Event()
+
+    async def process_frame(self, frame, direction):
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        if isinstance(frame, StartFrame):
+            self.create_task(self._speak())
+
+    async def _speak(self):
+        a, sink = self.a, self.sink
+        frames = lambda: sink.samples // fw.FRAME  # noqa: E731
+        frames_in_before = fw.metric(a.url, "gateway_frames_in_total")
+        await asyncio.sleep(1.0)  # the session opens (session.update, context items, response.create)
+        sent = 0
+        for chunk in fw.frames_of(self.pcm, 0, a.frames_a):
+            await self.push_frame(InputAudioRawFrame(audio=chunk.tobytes(), sample_rate=fw.SAMPLE_RATE, num_channels=1))
+            sent += 1
+            await asyncio.sleep(fw.PERIOD_S)
+        await fw.wait_until(lambda: frames() >= sent - a.delay, 30)
+        self.out.update(sent_a=sent, received_a=frames(),
+                        server_frames_in_a=fw.metric(a.url, "gateway_frames_in_total") - frames_in_before)
+        before = 0
+        for i, chunk in enumerate(fw.frames_of(self.pcm, a.frames_a, a.frames_b)):
+            if i == a.frames_b // 4:
+                before = frames()
+                await self.broadcast_interruption()
+                await self.broadcast_frame(UserStoppedSpeakingFrame)
+            await self.push_frame(InputAudioRawFrame(audio=chunk.tobytes(), sample_rate=fw.SAMPLE_RATE, num_channels=1))
+            await asyncio.sleep(fw.PERIOD_S)
+        await asyncio.sleep(0.8)
+        self.out["received_after_interrupt"] = frames() - before
+        self.done.set()
+
+
+async def main() -> None:
+    a = fw.args()
+    pcm = fw.read_speech(a.speech)
+    opened_before = fw.metric(a.url, "gateway_sessions_opened_total")
+    audio = rt_events.AudioConfiguration(input=rt_events.AudioInput(turn_detection=False),
+                                         output=rt_events.AudioOutput(voice=a.voice) if a.voice else None)
+    llm = OpenAIRealtimeLLMService(
+        api_key="unused",
+        base_url=a.url.replace("http://", "ws://") + "/v1/realtime",
+        settings=OpenAIRealtimeLLMService.Settings(
+            model="personaplex", system_instruction="You enjoy a good conversation.",
+            session_properties=rt_events.SessionProperties(audio=audio)),
+    )
+    context = LLMContext([{"role": "user", "content": "Hello there!"}])
+    aggregators = LLMContextAggregatorPair(context)
+    sink = Sink()
+    source = SpeechSource(pcm, a, sink)
+    pipeline = Pipeline([source, aggregators.user(), llm, sink, aggregators.assistant()])
+    worker = PipelineWorker(pipeline, params=PipelineParams(audio_in_sample_rate=fw.SAMPLE_RATE,
+                                                            audio_out_sample_rate=fw.SAMPLE_RATE))
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    await worker.queue_frames([LLMRunFrame()])
+    run = asyncio.create_task(runner.run())
+    if a.scenario == "refused":
+        await asyncio.sleep(6)  # pipecat stops on the error event; it does not reconnect by itself
+    else:
+        await asyncio.wait_for(source.done.wait(), 90)
+    opened = fw.metric(a.url, "gateway_sessions_opened_total") - opened_before
+    await worker.queue_frame(EndFrame())
+    try:
+        await asyncio.wait_for(run, 20)
+    except asyncio.TimeoutError:
+        await runner.cancel()
+    fw.report(**source.out, texts=len(sink.texts), errors=sink.errors, sessions_opened=opened, events=RAW_EVENTS,
+              at=time.time())
+
+
+asyncio.run(main())
