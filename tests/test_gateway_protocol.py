@@ -170,6 +170,9 @@ def test_standard_fields_sdks_always_send_are_accepted_and_reported_not_in_effec
     assert s.voice == "NATF2.pt"  # through the default alias table
     assert set(dict(s.not_in_effect)) == {"max_output_tokens", "tool_choice", "audio.input.transcription",
                                           "audio.input.turn_detection"}
+    # A later update keeps what earlier ones asked for, unless it turns it off.
+    later = parse_session_update({"instructions": "Hi.", "audio": {"input": {"turn_detection": None}}}, s, 100)
+    assert set(dict(later.not_in_effect)) == {"max_output_tokens", "tool_choice", "audio.input.transcription"}
     # pipecat with a context aggregator; vLLM-Omni naming its session; a bare bundled voice name.
     s = parse_session_update({"type": "realtime", "tools": [], "instructions": "Be brief.", "session_id": "omni-1",
                               "turn_detection": {"type": "server_vad"}, "voice": "NATM1"}, DEFAULT, 100)

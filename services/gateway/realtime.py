@@ -143,8 +143,8 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
     unknown = sorted(set(session) - _SESSION_KEYS - _IGNORED_KEYS, key=str)
     if unknown:
         raise ClientError("bad_event", f"session.{brief(unknown[0])} is not a setting this server accepts", "session")
-    s = replace(current, not_in_effect=())
-    notes: dict[str, str] = {}
+    s = current
+    notes = dict(current.not_in_effect)  # what earlier updates asked for stays asked for, unless set off here
     if "type" in session and session["type"] != "realtime":
         raise ClientError("bad_event", f"session.type {brief(session['type'])}: only 'realtime' is served", "session.type")
     if session.get("object", "realtime.session") != "realtime.session":
@@ -160,12 +160,9 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
             if not isinstance(sid, str) or not _SESSION_ID.match(sid):
                 raise ClientError("bad_event", f"session.{key} must be 1-64 characters of A-Za-z0-9_-.", f"session.{key}")
             s = replace(s, requested_id=sid)
-    if "max_output_tokens" in session:
-        notes["max_output_tokens"] = "the response is continuous; it ends with the session"
-    if session.get("tool_choice") not in (None, "none"):
-        notes["tool_choice"] = "no tools are offered"
-    if session.get("tracing") is not None:
-        notes["tracing"] = "not offered by this server"
+    _note(notes, session, "max_output_tokens", "the response is continuous; it ends with the session", off=())
+    _note(notes, session, "tool_choice", "no tools are offered", off=(None, "none"))
+    _note(notes, session, "tracing", "not offered by this server")
     for key in ("modalities", "output_modalities"):
         if key in session:
             mods = session[key]
@@ -178,8 +175,7 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         s = replace(s, input_format=fmt, input_format_explicit=True)
     if "output_audio_format" in session and session["output_audio_format"] != audio.PCM16:
         raise ClientError("unsupported_audio_format", f"output_audio_format {brief(session['output_audio_format'])}: only 'pcm16' is produced", "session.output_audio_format")
-    if session.get("turn_detection") not in (None, False):  # False: the client turned VAD off
-        notes["turn_detection"] = _TURN_DETECTION_NOTE
+    _note(notes, session, "turn_detection", _TURN_DETECTION_NOTE)
     if "audio" in session:
         s = _parse_ga_audio(session["audio"], s, notes, voice_aliases, enrolled)
     if "voice" in session:
@@ -192,6 +188,15 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
     if "extra_body" in session:
         s = _parse_extra_body(session["extra_body"], s)
     return replace(s, not_in_effect=tuple(sorted(notes.items())))
+
+
+def _note(notes: dict[str, str], obj: dict, key: str, why: str, off: tuple = (None, False), prefix: str = "") -> None:
+    """A setting the client names but that is not in effect: noted with why; naming it off clears the note."""
+    if key in obj:
+        if obj[key] in off:
+            notes.pop(prefix + key, None)
+        else:
+            notes[prefix + key] = why
 
 
 def _parse_ga_audio(a: object, s: SessionSettings, notes: dict[str, str], voice_aliases: Mapping[str, str],
@@ -207,12 +212,9 @@ def _parse_ga_audio(a: object, s: SessionSettings, notes: dict[str, str], voice_
         raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts", "session.audio.output")
     if "format" in inp:
         s = replace(s, input_format=_format_from_ga(inp["format"], "session.audio.input.format"), input_format_explicit=True)
-    if inp.get("turn_detection") not in (None, False):
-        notes["audio.input.turn_detection"] = _TURN_DETECTION_NOTE
-    if inp.get("transcription") is not None:
-        notes["audio.input.transcription"] = _TRANSCRIPTION_NOTE
-    if inp.get("noise_reduction") is not None:
-        notes["audio.input.noise_reduction"] = "input audio is used as sent"
+    _note(notes, inp, "turn_detection", _TURN_DETECTION_NOTE, prefix="audio.input.")
+    _note(notes, inp, "transcription", _TRANSCRIPTION_NOTE, prefix="audio.input.")
+    _note(notes, inp, "noise_reduction", "input audio is used as sent", prefix="audio.input.")
     if "format" in out:
         _format_from_ga(out["format"], "session.audio.output.format")
     speed = out.get("speed", 1.0)
