@@ -262,3 +262,39 @@ async def test_a_lost_stage_link_fails_the_session_at_once_as_that_stages_failur
         assert cell.link is not first or first is None
     finally:
         await cell.close()
+
+
+# ---- the conversation record (GA item lifecycle) -----------------------------------------------
+
+def test_conversation_lifecycle_validates_and_truncate_cuts_at_a_frame():
+    from services.gateway.conversation import MAX_ITEMS, MAX_TRANSCRIPT_CHARS, Conversation
+    from tests.openai_events import validate_server_event
+
+    for legacy in (False, True):
+        c = Conversation("sess_1", legacy=legacy)
+        events = c.start({"client_event_id": "x"})
+        for text in ["Hel", "", "lo", " there", ""]:
+            where = c.delta_fields(text)
+        item = where["item_id"]
+        events.append(c.truncate(item, 160))  # the client heard two frames (160 ms)
+        assert c.items[item].transcript == "Hel" and events[-1]["audio_end_ms"] == 160
+        events += c.finish("cancelled")
+        events += c.start()
+        events += c.add_client_item("item_user1", "user", [{"type": "input_text", "text": "hi"}])
+        events += c.finish("failed", error={"type": "server_error", "code": "runtime_stream_failed"})
+        for ev in events:
+            validate_server_event({"event_id": "e", **ev}, legacy)
+        done = [e for e in events if e["type"] == "response.done"]
+        assert [d["response"]["status"] for d in done] == ["cancelled", "failed"]
+        assert done[0]["response"]["output"][0]["content"][0]["transcript"] == "Hel"
+        assert done[0]["response"]["metadata"] == {"client_event_id": "x"}
+    # Bounded: long transcripts stop growing (frames still count), old items are forgotten.
+    c = Conversation("sess_2")
+    c.start()
+    for _ in range(MAX_TRANSCRIPT_CHARS):
+        c.delta_fields("word ")
+    assert len(c.current.item.transcript) <= MAX_TRANSCRIPT_CHARS and c.current.item.frames == MAX_TRANSCRIPT_CHARS
+    for _ in range(2 * MAX_ITEMS):
+        c.finish("completed")
+        c.start()
+    assert len(c.items) == MAX_ITEMS and c.current.item.id in c.items

@@ -11,19 +11,22 @@ A response ends when the session ends, or early when the client cancels it or tr
 (barge-in); the next one starts at once. Legacy (beta) sessions get the beta names.
 
 Pure bookkeeping: methods return the events to send (without event_id/server_event_seq). Records are
-bounded: the last `MAX_ITEMS` items, each transcript at most `MAX_TRANSCRIPT_CHARS`.
+bounded in bytes: the last `MAX_ITEMS` items, each transcript at most `MAX_TRANSCRIPT_CHARS` (later text
+of a very long item is not kept; its frames are still counted).
 """
 
 from __future__ import annotations
 
 import secrets
+from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from services.gateway.audio import FRAME_MS
 
-MAX_ITEMS = 64
-MAX_TRANSCRIPT_CHARS = 16_384
+MAX_ITEMS = 32
+MAX_TRANSCRIPT_CHARS = 8_192
 MAX_CLIENT_TEXT_CHARS = 4_096
 # Content part types a client item may carry, per role (GA and beta spellings).
 _CLIENT_PARTS = {"system": {"input_text"}, "user": {"input_text", "input_audio", "text"},
@@ -39,20 +42,27 @@ class Item:
     id: str
     role: str
     status: str = "in_progress"
-    pieces: list[str] = field(default_factory=list)  # assistant: one text piece per output frame
-    chars: int = 0
     content: list[dict] = field(default_factory=list)  # client items: their (normalized) content
+    # assistant items: the transcript, the output frames, and for each kept text piece its frame and
+    # where it ends in the transcript (to cut the transcript at a frame)
+    transcript: str = ""
+    frames: int = 0
+    piece_frames: array = field(default_factory=lambda: array("I"))
+    piece_ends: array = field(default_factory=lambda: array("I"))
 
-    def add_piece(self, text: str) -> None:
-        if self.chars + len(text) <= MAX_TRANSCRIPT_CHARS:
-            self.pieces.append(text)
-            self.chars += len(text)
-        else:
-            self.pieces.append("")  # past the bound the frame still counts, its text is not kept
+    def add_frame(self, text: str) -> None:
+        if text and len(self.transcript) + len(text) <= MAX_TRANSCRIPT_CHARS:
+            self.transcript += text
+            self.piece_frames.append(self.frames)
+            self.piece_ends.append(len(self.transcript))
+        self.frames += 1
 
-    @property
-    def transcript(self) -> str:
-        return "".join(self.pieces)
+    def cut(self, frames: int) -> None:
+        """Keep what the first `frames` output frames said."""
+        n = bisect_left(self.piece_frames, frames)
+        self.transcript = self.transcript[:self.piece_ends[n - 1]] if n else ""
+        del self.piece_frames[n:], self.piece_ends[n:]
+        self.frames = min(self.frames, frames)
 
 
 @dataclass
@@ -73,8 +83,8 @@ class Conversation:
 
     def _item_object(self, item: Item) -> dict:
         if item.role != "assistant":
-            return {"id": item.id, "object": "realtime.item", "type": "message", "role": item.role, "status": item.status,
-                    "content": item.content}
+            return {"id": item.id, "object": "realtime.item", "type": "message", "role": item.role,
+                    "status": item.status, "content": item.content}
         content = [] if item.status == "in_progress" else [self._audio_part(item, "content")]
         return {"id": item.id, "object": "realtime.item", "type": "message", "role": "assistant", "status": item.status,
                 "content": content}
@@ -109,7 +119,8 @@ class Conversation:
         return [
             {"type": "response.created", "response": self._response_object(r, "in_progress")},
             added,
-            {"type": "response.output_item.added", "response_id": r.id, "output_index": 0, "item": self._item_object(item)},
+            {"type": "response.output_item.added", "response_id": r.id, "output_index": 0,
+             "item": self._item_object(item)},
             {"type": "response.content_part.added", **self._where(r), "part": {"type": "audio", "transcript": ""}},
         ]
 
@@ -117,7 +128,7 @@ class Conversation:
         """Record one output frame's text piece; returns the ids its two deltas carry."""
         r = self.current
         assert r is not None
-        r.item.add_piece(text)
+        r.item.add_frame(text)
         return self._where(r)
 
     def finish(self, status: str, reason: str | None = None, error: dict | None = None) -> list[dict]:
@@ -137,7 +148,8 @@ class Conversation:
             {"type": audio_done, **self._where(r)},
             {"type": transcript_done, **self._where(r), "transcript": r.item.transcript},
             {"type": "response.content_part.done", **self._where(r), "part": self._audio_part(r.item, "part")},
-            {"type": "response.output_item.done", "response_id": r.id, "output_index": 0, "item": self._item_object(r.item)},
+            {"type": "response.output_item.done", "response_id": r.id, "output_index": 0,
+             "item": self._item_object(r.item)},
         ]
         if not self.legacy:
             events.append({"type": "conversation.item.done", "item": self._item_object(r.item)})
@@ -152,11 +164,9 @@ class Conversation:
     def truncate(self, item_id: str, audio_end_ms: int) -> dict:
         """Cut an assistant item's transcript to what was heard (whole 80 ms frames, rounded up)."""
         item = self.items[item_id]
-        keep = -(-audio_end_ms // FRAME_MS)
-        del item.pieces[keep:]
-        item.chars = sum(map(len, item.pieces))
+        item.cut(-(-audio_end_ms // FRAME_MS))
         return {"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
-                "audio_end_ms": min(audio_end_ms, len(item.pieces) * FRAME_MS)}
+                "audio_end_ms": min(audio_end_ms, item.frames * FRAME_MS)}
 
     def add_client_item(self, item_id: str, role: str, content: list[dict]) -> list[dict]:
         """A message item the client adds (context a framework replays): recorded and acknowledged."""

@@ -80,15 +80,17 @@ async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -
     except ClientError as e:
         return _refused(ctx, session_id, Refusal(400, {"type": e.type, "code": e.code, "message": e.message}))
     if len(persona) > cfg.max_instructions_chars or not _SEED.fullmatch(seed) or int(seed) >= 2**63:
-        return _refused(ctx, session_id, Refusal(400, {"type": "invalid_request_error", "code": "bad_event",
-                                                       "message": "text_prompt too long or seed not a non-negative integer"}))
+        why = "text_prompt too long or seed not a non-negative integer"
+        return _refused(ctx, session_id, Refusal(400, {"type": "invalid_request_error", "code": "bad_event", "message": why}))
     voice, voice_audio = await asyncio.to_thread(ctx.voices.for_open, voice)  # enrolled: ships its audio
-    params = lambda: OpenParams(f"{session_id}.{secrets.token_hex(4)}", voice, persona, talker_pb2.Sampling(seed=int(seed)), voice_audio)  # noqa: E731
+    sampling = talker_pb2.Sampling(seed=int(seed))
+    params = lambda: OpenParams(f"{session_id}.{secrets.token_hex(4)}", voice, persona, sampling, voice_audio)  # noqa: E731
     opening = asyncio.ensure_future(admit(ctx, params))
     try:
         pipeline = await asyncio.shield(opening)
     except asyncio.CancelledError:  # the upgrade timed out or the server stops: release what opens later
-        opening.add_done_callback(lambda t: t.cancelled() or t.exception() or _in_background(release(ctx, t.result(), False)))
+        opening.add_done_callback(lambda t: t.cancelled() or t.exception()
+                                  or _in_background(release(ctx, t.result(), graceful=False)))
         raise
     except PipelineError as e:
         error = {"type": e.error_type, "code": e.code, "message": e.message}
@@ -106,7 +108,8 @@ def _refused(ctx, session_id: str, refusal: Refusal) -> Refusal:
     code = refusal.error["code"]
     ctx.metrics.errors.labels(refusal.error["type"], code).inc()
     ctx.metrics.sessions_refused.labels("native", code).inc()
-    log.info("chat %s refused at the upgrade: %d %s: %s", session_id, refusal.status, code, refusal.error["message"][:200])
+    log.info("chat %s refused at the upgrade: %d %s: %s", session_id, refusal.status, code,
+             refusal.error["message"][:200])
     return refusal
 
 

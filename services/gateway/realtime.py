@@ -125,8 +125,8 @@ def resolve_voice(voice: object, aliases: Mapping[str, str], param: str,
             return aliases[voice.lower()]
         if voice_names.is_enrolled(voice) and voice_names.is_bundled(voice + ".pt"):
             return voice + ".pt"
-    raise ClientError("invalid_voice", f"voice {brief(voice)} is not a voice name: a bundled basename such as 'NATF2.pt' "
-                      "(no path), an enrolled name (GET /v1/voices) or a configured alias", param)
+    raise ClientError("invalid_voice", f"voice {brief(voice)} is not a voice name: a bundled basename such as "
+                      "'NATF2.pt' (no path), an enrolled name (GET /v1/voices) or a configured alias", param)
 
 
 def parse_session_update(session: object, current: SessionSettings, max_instructions: int,
@@ -158,7 +158,8 @@ def parse_session_update(session: object, current: SessionSettings, max_instruct
         if key in session:
             sid = session[key]
             if not isinstance(sid, str) or not _SESSION_ID.match(sid):
-                raise ClientError("bad_event", f"session.{key} must be 1-64 characters of A-Za-z0-9_-.", f"session.{key}")
+                raise ClientError("bad_event", f"session.{key} must be 1-64 characters of A-Za-z0-9_-.",
+                                  f"session.{key}")
             s = replace(s, requested_id=sid)
     _note(notes, session, "max_output_tokens", "the response is continuous; it ends with the session", off=())
     _note(notes, session, "tool_choice", "no tools are offered", off=(None, "none"))
@@ -207,11 +208,14 @@ def _parse_ga_audio(a: object, s: SessionSettings, notes: dict[str, str], voice_
     if not isinstance(inp, dict) or not isinstance(out, dict):
         raise ClientError("bad_event", "session.audio.input/output must be objects", "session.audio")
     for k in sorted(set(inp) - {"format", "turn_detection", "transcription", "noise_reduction"}, key=str):
-        raise ClientError("bad_event", f"session.audio.input.{brief(k)} is not a setting this server accepts", "session.audio.input")
+        raise ClientError("bad_event", f"session.audio.input.{brief(k)} is not a setting this server accepts",
+                          "session.audio.input")
     for k in sorted(set(out) - {"format", "voice", "speed"}, key=str):
-        raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts", "session.audio.output")
+        raise ClientError("bad_event", f"session.audio.output.{brief(k)} is not a setting this server accepts",
+                          "session.audio.output")
     if "format" in inp:
-        s = replace(s, input_format=_format_from_ga(inp["format"], "session.audio.input.format"), input_format_explicit=True)
+        fmt = _format_from_ga(inp["format"], "session.audio.input.format")
+        s = replace(s, input_format=fmt, input_format_explicit=True)
     _note(notes, inp, "turn_detection", _TURN_DETECTION_NOTE, prefix="audio.input.")
     _note(notes, inp, "transcription", _TRANSCRIPTION_NOTE, prefix="audio.input.")
     _note(notes, inp, "noise_reduction", "input audio is used as sent", prefix="audio.input.")
@@ -219,7 +223,7 @@ def _parse_ga_audio(a: object, s: SessionSettings, notes: dict[str, str], voice_
         _format_from_ga(out["format"], "session.audio.output.format")
     speed = out.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed != 1.0:
-        raise _unsupported("audio.output.speed", f"{brief(speed)}: the model speaks at its own pace; only 1.0 is served")
+        raise _unsupported("audio.output.speed", f"{brief(speed)}: the model speaks at its own pace; only 1.0")
     if "voice" in out:
         s = replace(s, voice=resolve_voice(out["voice"], voice_aliases, "session.audio.output.voice", enrolled))
     return s
@@ -554,8 +558,8 @@ class RealtimeSession:
     async def _on_session_update(self, event: dict) -> None:
         if self.st.closing:
             raise ClientError("bad_event", "the session is closing")
-        new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars, self.voice_aliases,
-                                   self.ctx.voices.is_enrolled)
+        new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars,
+                                   self.voice_aliases, self.ctx.voices.is_enrolled)
         client_event_id = event["event_id"] if isinstance(event.get("event_id"), str) else None
         if self.st.pipeline is None:
             await self._open(new, client_event_id)
@@ -691,7 +695,8 @@ class RealtimeSession:
     async def _on_truncate(self, event: dict) -> None:
         item_id, end_ms, index = event.get("item_id"), event.get("audio_end_ms"), event.get("content_index", 0)
         if self.conv is None or not self.conv.has(item_id):
-            raise ClientError("invalid_item_id", f"item_id {brief(item_id)} is not an assistant item of this session", "item_id")
+            raise ClientError("invalid_item_id", f"item_id {brief(item_id)} is not an assistant item of this session",
+                              "item_id")
         if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
             raise ClientError("bad_event", "audio_end_ms must be a non-negative integer", "audio_end_ms")
         if index != 0:
@@ -717,10 +722,11 @@ class RealtimeSession:
         model reads only audio; its persona is `instructions`."""
         item = event.get("item")
         if not isinstance(item, dict) or item.get("type") != "message":
-            raise _unsupported("conversation.item.create", "only message items (no function calls: no tools are offered)")
+            raise _unsupported("conversation.item.create", "only message items (no tools are offered)")
         content = client_message_content(item.get("role"), item.get("content"))
         if content is None:
-            raise ClientError("bad_event", "item must be a system, user or assistant message with a list of text/audio parts", "item")
+            raise ClientError("bad_event", "item must be a system, user or assistant message with a list of "
+                              "text/audio parts", "item")
         item_id = item.get("id") or new_id("item")
         if not isinstance(item_id, str) or not _SESSION_ID.match(item_id):
             raise ClientError("bad_event", "item.id must be 1-64 characters of A-Za-z0-9_-.", "item.id")
@@ -728,7 +734,8 @@ class RealtimeSession:
             self.conv = Conversation(self.session_id, legacy=self.st.settings.legacy_event_names)
         if self.conv.has(item_id):
             raise ClientError("item_create_duplicate_item_id", f"item {item_id!r} already exists", "item.id")
-        log.info("session %s: %s item %s recorded (text does not reach the model)", self.session_id, item["role"], item_id)
+        log.info("session %s: %s item %s recorded (text does not reach the model)", self.session_id, item["role"],
+                 item_id)
         for ev in self.conv.add_client_item(item_id, item["role"], content):
             self.emit(ev)
 
@@ -750,7 +757,8 @@ class RealtimeSession:
         audio_name, text_name = LEGACY_NAMES if self.st.settings.legacy_event_names else GA_NAMES
         common = self.conv.delta_fields(f.text)
         rid = common["response_id"]
-        self.emit({"type": audio_name, **common, "delta": audio.b64encode(audio.f32_to_pcm16_bytes(f.pcm)), "sample_rate_hz": audio.SAMPLE_RATE}, rid)
+        pcm16 = audio.b64encode(audio.f32_to_pcm16_bytes(f.pcm))
+        self.emit({"type": audio_name, **common, "delta": pcm16, "sample_rate_hz": audio.SAMPLE_RATE}, rid)
         self.emit({"type": text_name, **common, "delta": f.text}, rid)
         self.st.frames_out += 1
         self.ctx.metrics.frames_out.inc()
