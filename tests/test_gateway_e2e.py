@@ -465,6 +465,16 @@ async def test_cancel_and_truncate_keep_the_session_and_the_lifecycle_is_ga(stac
     assert not open_ids
 
 
+async def test_a_vllm_omni_driver_names_its_session_in_session_update(stack):
+    """vLLM-Omni's lifecycle driver sends session_id in its first session.update and waits for
+    session.created: the session opens under that name."""
+    rt = await RT.connect(stack.gateway.ws_url)
+    created = await rt.open(session_id="omni-driver-1", model="personaplex")
+    assert created["type"] == "session.created" and created["session"]["id"] == "omni-driver-1"
+    _, closed = await rt.close()
+    assert closed["session_id"] == "omni-driver-1"
+
+
 async def test_zz_draining_cell_gets_no_new_session(stack):
     """Last in this module: it drains the cell's encoder (for good)."""
     from duplex.v1 import common_pb2, encoder_pb2_grpc

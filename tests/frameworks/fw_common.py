@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import sys
 import time
@@ -48,12 +49,31 @@ def frames_of(pcm: np.ndarray, first: int, count: int):
 
 
 async def paced(frames, push) -> int:
-    """Call push(frame) every 80 ms; returns how many frames were pushed."""
+    """Call push(frame) every 80 ms (push may be async); returns how many frames were pushed."""
     start, n = time.monotonic(), 0
     for n, frame in enumerate(frames, 1):
-        push(frame)
+        if inspect.isawaitable(done := push(frame)):
+            await done
         await asyncio.sleep(max(0.0, start + n * PERIOD_S - time.monotonic()))
     return n
+
+
+async def interrupt_mid_stream(pcm: np.ndarray, a: argparse.Namespace, push, interrupt, frames_out) -> int:
+    """Phase B: stream `frames_b` more frames and call interrupt() (may be async) a quarter of the way
+    in; returns the output frame count (frames_out()) at the interruption."""
+    at = [0]
+
+    async def push_b(frame):
+        push_b.n += 1
+        if push_b.n == a.frames_b // 4 + 1:
+            at[0] = frames_out()
+            if inspect.isawaitable(done := interrupt()):
+                await done
+        if inspect.isawaitable(done := push(frame)):
+            await done
+    push_b.n = 0
+    await paced(frames_of(pcm, a.frames_a, a.frames_b), push_b)
+    return at[0]
 
 
 async def wait_until(cond, timeout: float) -> bool:
@@ -82,3 +102,43 @@ def short_event(ev: dict) -> dict:
 def report(**fields) -> None:
     sys.stdout.write(json.dumps(fields) + "\n")
     sys.stdout.flush()
+
+
+class LiveKitOutput:
+    """What a LiveKit llm.RealtimeSession gives its agent: generations, their audio and text, errors,
+    reconnects (the same for both LiveKit plugins; read the way AgentSession reads them)."""
+
+    def __init__(self, sess):
+        self.samples, self.texts, self.generations, self.errors, self.reconnects = 0, [], [], [], 0
+        self._tasks: set[asyncio.Task] = set()
+        sess.on("error", lambda e: self.errors.append({"error": str(getattr(e.error, "body", None) or e.error)[:300],
+                                                       "recoverable": e.recoverable}))
+        sess.on("session_reconnected", lambda e: self._reconnected())
+        sess.on("generation_created", lambda gen: self._spawn(self._read_generation(gen)))
+
+    @property
+    def frames(self) -> int:
+        return self.samples // FRAME
+
+    def _reconnected(self) -> None:
+        self.reconnects += 1
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read_generation(self, gen) -> None:
+        self.generations.append(gen.response_id)
+        async for msg in gen.message_stream:
+            self._spawn(self._read_audio(msg))
+            self._spawn(self._read_text(msg))
+
+    async def _read_audio(self, msg) -> None:
+        async for frame in msg.audio_stream:
+            self.samples += frame.samples_per_channel
+
+    async def _read_text(self, msg) -> None:
+        async for piece in msg.text_stream:
+            if str(piece):
+                self.texts.append(str(piece))

@@ -70,29 +70,26 @@ class SpeechSource(FrameProcessor):
         if isinstance(frame, StartFrame):
             self.create_task(self._speak())
 
+    async def _push_audio(self, chunk):
+        await self.push_frame(InputAudioRawFrame(audio=chunk.tobytes(), sample_rate=fw.SAMPLE_RATE, num_channels=1))
+
     async def _speak(self):
         a, sink = self.a, self.sink
         frames = lambda: sink.samples // fw.FRAME  # noqa: E731
         frames_in_before = fw.metric(a.url, "gateway_frames_in_total")
         await asyncio.sleep(1.0)  # the session opens (session.update, context items, response.create)
-        sent = 0
-        for chunk in fw.frames_of(self.pcm, 0, a.frames_a):
-            await self.push_frame(InputAudioRawFrame(audio=chunk.tobytes(), sample_rate=fw.SAMPLE_RATE, num_channels=1))
-            sent += 1
-            await asyncio.sleep(fw.PERIOD_S)
+        sent = await fw.paced(fw.frames_of(self.pcm, 0, a.frames_a), self._push_audio)
         await fw.wait_until(lambda: frames() >= sent - a.delay, 30)
         self.out.update(sent_a=sent, received_a=frames(),
                         server_frames_in_a=fw.metric(a.url, "gateway_frames_in_total") - frames_in_before)
-        before = 0
-        for i, chunk in enumerate(fw.frames_of(self.pcm, a.frames_a, a.frames_b)):
-            if i == a.frames_b // 4:
-                before = frames()
-                await self.broadcast_interruption()
-                await self.broadcast_frame(UserStoppedSpeakingFrame)
-            await self.push_frame(InputAudioRawFrame(audio=chunk.tobytes(), sample_rate=fw.SAMPLE_RATE, num_channels=1))
-            await asyncio.sleep(fw.PERIOD_S)
+
+        async def interrupt():  # what a turn analyzer does when the user barges in
+            await self.broadcast_interruption()
+            await self.broadcast_frame(UserStoppedSpeakingFrame)
+
+        at_interrupt = await fw.interrupt_mid_stream(self.pcm, a, self._push_audio, interrupt, frames)
         await asyncio.sleep(0.8)
-        self.out["received_after_interrupt"] = frames() - before
+        self.out["received_after_interrupt"] = frames() - at_interrupt
         self.done.set()
 
 
