@@ -75,6 +75,18 @@ def gateway_metric(gateway, name: str) -> float:
     return total
 
 
+def leak_baseline(stack) -> tuple[dict, float]:
+    """What "nothing leaked" compares with: every stage's slot counts and the gateway's active gauge."""
+    return stage_counts(stack), gateway_metric(stack.gateway, "gateway_sessions_active")
+
+
+def assert_nothing_leaked(stack, baseline: tuple[dict, float]) -> None:
+    """Slot counts and the active gauge back at `baseline` (within 30 s: cleanup is asynchronous)."""
+    counts, active = baseline
+    now = wait_until(lambda: stage_counts(stack) == counts and gateway_metric(stack.gateway, "gateway_sessions_active") == active, 30)
+    assert now, (stage_counts(stack), counts, gateway_metric(stack.gateway, "gateway_sessions_active"), active)
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -25,8 +25,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as sync_connect
 
 from services.gateway.bounded import OutputQueue, RecentIds, brief
-from tests.reliability_helpers import (Feeder, SyncRT, append, async_wait_until, gateway_metric, http_get, rss_mb,
-                                       stage_counts, tone, wait_until)
+from tests.reliability_helpers import (Feeder, SyncRT, append, assert_nothing_leaked, async_wait_until, http_get,
+                                       leak_baseline, rss_mb, stage_counts, tone, wait_until)
 from tools.run_stack import Stack
 
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
@@ -97,13 +97,7 @@ def feeder(stack):
 
 @pytest.fixture(scope="module")
 def baseline(stack, feeder):
-    return stage_counts(stack), gateway_metric(stack.gateway, "gateway_sessions_active")
-
-
-def assert_back_to_baseline(stack, baseline) -> None:
-    counts, active = baseline
-    ok = wait_until(lambda: stage_counts(stack) == counts and gateway_metric(stack.gateway, "gateway_sessions_active") == active, 30)
-    assert ok, (stage_counts(stack), counts, gateway_metric(stack.gateway, "gateway_sessions_active"), active)
+    return leak_baseline(stack)
 
 
 def heartbeat_rtt(rt: SyncRT) -> float:
@@ -151,7 +145,8 @@ def test_huge_unknown_event_types_from_a_client_that_never_reads_cost_no_memory(
     heartbeat_rtt(other)
     pid = stack.gateway.proc.pid
     rss0, log0 = rss_mb(pid), gateway_log_bytes(stack.gateway)
-    stuck = sync_connect(stack.gateway.ws_url, sock=raw_socket_client(stack), max_size=None, open_timeout=60, legacy=True)
+    stuck = sync_connect(stack.gateway.ws_url, sock=raw_socket_client(stack), max_size=None, open_timeout=60,
+                         legacy=True)
     big = json.dumps({"type": "é" * 1_000_000}, ensure_ascii=False)
     assert MAX_MESSAGE_BYTES - 100_000 < len(big.encode()) <= MAX_MESSAGE_BYTES
     rtts = []
@@ -161,18 +156,20 @@ def test_huge_unknown_event_types_from_a_client_that_never_reads_cost_no_memory(
             rtts.append(heartbeat_rtt(other))
     rtts.append(heartbeat_rtt(other))
     grown, logged = rss_mb(pid) - rss0, gateway_log_bytes(stack.gateway) - log0
-    print(f"\n[hostile] 40 x 2 MB unknown types: gateway RSS +{grown:.1f} MB, log +{logged} B, heartbeat max {max(rtts) * 1000:.0f} ms")
+    print(f"\n[hostile] 40 x 2 MB unknown types: gateway RSS +{grown:.1f} MB, log +{logged} B, "
+          f"heartbeat max {max(rtts) * 1000:.0f} ms")
     assert grown < 40, grown
     assert logged < 20_000, logged
     assert max(rtts) < 0.5, rtts
     # The errors themselves are short: read them now.
     for _ in range(40):
         ev = json.loads(stuck.recv(30))
-        assert ev["type"] == "error" and ev["error"]["code"] == "unknown_event" and len(ev["error"]["message"]) < 200, ev
+        assert ev["type"] == "error" and ev["error"]["code"] == "unknown_event", ev
+        assert len(ev["error"]["message"]) < 200, ev
     stuck.close()
     other.close()
     feeder.check_alive(1)
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- row 3: operation ids -----------------------------------------------------------------------
@@ -192,12 +189,14 @@ def test_operation_ids_are_bounded_per_id_and_in_total(stack, feeder, baseline):
     for i in range(150):
         rt.send({**one, "operation_id": f"{i:07d}" + "x" * 1_900_000})
         ev = rt.next_reply()
-        assert ev["type"] == "error" and ev["error"]["code"] == "bad_event" and ev["error"]["param"] == "operation_id", ev
+        assert ev["type"] == "error" and ev["error"]["code"] == "bad_event", ev
+        assert ev["error"]["param"] == "operation_id", ev
         assert len(ev["error"]["message"]) < 200
         if i % 30 == 0:
             rtts.append(heartbeat_rtt(other))
     grown = rss_mb(pid) - rss0
-    print(f"\n[hostile] 150 x 1.9 MB operation ids: gateway RSS +{grown:.1f} MB, heartbeat max {max(rtts) * 1000:.0f} ms")
+    print(f"\n[hostile] 150 x 1.9 MB operation ids: gateway RSS +{grown:.1f} MB, "
+          f"heartbeat max {max(rtts) * 1000:.0f} ms")
     assert grown < 40 and max(rtts) < 0.25, (grown, rtts)
     # Within the bound, ids still deduplicate: the same id twice sends one packet.
     frame = append(tone(1))
@@ -210,7 +209,7 @@ def test_operation_ids_are_bounded_per_id_and_in_total(stack, feeder, baseline):
     rt.close()
     other.close()
     feeder.check_alive(1)
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- row 4: numbers and nesting -----------------------------------------------------------------
@@ -239,7 +238,7 @@ def test_huge_numbers_and_deep_nesting_are_typed_errors_and_the_session_goes_on(
         assert rt.recv(60)["type"] != "error"
     rt.close()
     assert internal_errors(stack) == 0
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- row 5: /api/chat seed ----------------------------------------------------------------------
@@ -254,7 +253,7 @@ def test_api_chat_seed_out_of_range_or_not_ascii_digits_is_a_typed_refusal(stack
     assert e.value.response.status_code == 400
     assert json.loads(e.value.response.body)["error"]["code"] == "bad_event", e.value.response.body[:120]
     assert internal_errors(stack) == 0
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- row 7: the static path ---------------------------------------------------------------------
@@ -307,7 +306,7 @@ def test_opus_message_over_five_seconds_gets_its_own_error_and_the_session_goes_
             assert msg[0] != 5, msg
             got_audio = msg[0] == 1
     feeder.check_alive(1)
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- row 1: a session.update that cannot reopen ---------------------------------------------------
@@ -403,7 +402,7 @@ def test_session_update_that_cannot_reopen_is_typed_and_gauges_return(stack, fee
     print(f"\n[hostile] persona {persona!r}: {outcomes}; racers opened {sum(r.opened for r in racers)}")
     assert sum(r.refused for r in racers) > 0  # the cell really was contended
     feeder.check_alive(1)
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- idle timeouts (risk 8) --------------------------------------------------------------------------
@@ -467,7 +466,7 @@ def test_idle_connection_session_and_chat_are_closed_and_slots_come_back(stack, 
         assert e.value.rcvd.code == 1008 and 1.4 < time.monotonic() - t0 < 6
         assert msgs[-1][0] == 5 and msgs[-1][1:].startswith(b"idle_timeout:"), msgs[-1:]
     feeder.check_alive(1)
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- row 6 and risk 9: stage ports, Drain, readiness -------------------------------------------------
@@ -530,7 +529,7 @@ def test_drain_needs_the_token_and_can_be_cancelled_and_readiness_follows(stack,
             stub.Drain(common_pb2.DrainRequest(cancel=True), timeout=10, metadata=admin)
     assert wait_until(lambda: http_get(health)[0] == 200, 10)
     open_session(stack).close()
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- risk 11: a browser with an API key ---------------------------------------------------------------
@@ -599,7 +598,7 @@ def test_api_key_over_the_wire_header_subprotocol_and_client_secret(stack, feede
     finally:
         gw.stop()
     feeder.check_alive(1)
-    assert_back_to_baseline(stack, baseline)
+    assert_nothing_leaked(stack, baseline)
 
 
 # ---- one session's failure never touches another --------------------------------------------------
@@ -622,7 +621,8 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
         opened = []
         try:
             for i in range(4):
-                params = lambda i=i: OpenParams(f"iso-{i}", "", "You are calm.", talker_pb2.Sampling(seed=i + 1))  # noqa: E731
+                params = lambda i=i: OpenParams(f"iso-{i}", "", "You are calm.",  # noqa: E731
+                                                talker_pb2.Sampling(seed=i + 1))
                 opened.append(await open_on_cells(pool.candidates(), params, open_timeout_s=120, stall_timeout_s=30,
                                                   cleanup_timeout_s=20))
             flooder, healthy = opened[0], opened[1:]
@@ -657,7 +657,8 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
             await asyncio.gather(*pace)
             err = flooder.failed
             # The first stage whose per-session input bound it overran (the link's inbox or the talker's backlog).
-            assert err.stage in ("encoder", "talker") and "RESOURCE_EXHAUSTED" in err.message, (err.code, err.stage, err.message)
+            assert err.stage in ("encoder", "talker") and "RESOURCE_EXHAUSTED" in err.message, \
+                (err.code, err.stage, err.message)
             assert errors[0] == [err]
             for i in (1, 2, 3):
                 assert errors[i] == [], (i, [(e.code, e.message) for e in errors[i]])
@@ -668,8 +669,8 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
             for p in opened:
                 await p.abort()
             await pool.stop()
-        assert wait_until(lambda: all(free == 4 and active == 0 for free, active in stage_counts(stack).values()), 30), \
-            stage_counts(stack)
+        freed = wait_until(lambda: all(free == 4 and active == 0 for free, active in stage_counts(stack).values()), 30)
+        assert freed, stage_counts(stack)
 
 
 def test_connections_beyond_the_bound_get_503_and_health_still_answers(stack):

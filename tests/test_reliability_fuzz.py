@@ -29,8 +29,8 @@ from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common import voice_names
 from services.common.errors import ERROR_KIND_KEY
 from services.gateway.config import DEFAULT_VOICE_ALIASES
-from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, f32_b64, gateway_metric, rss_mb, stage_counts,
-                                       tone, wait_until)
+from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, assert_nothing_leaked, f32_b64, gateway_metric,
+                                       leak_baseline, rss_mb, tone)
 from tools.run_stack import Stack
 
 # A generous talker backlog: on a loaded 2-core machine the tiny talker can fall seconds behind,
@@ -100,13 +100,7 @@ def feeder(stack):
 @pytest.fixture(scope="module")
 def baseline(stack, feeder):
     """Slot counts and gateway gauges with only the feeder open: every test returns to these."""
-    return stage_counts(stack), gateway_metric(stack.gateway, "gateway_sessions_active")
-
-
-def assert_nothing_leaked(stack, baseline) -> None:
-    counts, active = baseline
-    now = wait_until(lambda: stage_counts(stack) == counts and gateway_metric(stack.gateway, "gateway_sessions_active") == active, 30)
-    assert now, (stage_counts(stack), counts, gateway_metric(stack.gateway, "gateway_sessions_active"), active)
+    return leak_baseline(stack)
 
 
 def report(name: str) -> None:
