@@ -19,8 +19,10 @@ INVALID when the client itself was too slow to measure), the CPU cores each gate
 used, and the link messages per second each stage handled. Writes frontdoor.json (after every N) and
 frontdoor.png under --out.
 
-A run passes when the driver's verdict is PASS, every probe cycle got audio, and at least
---min-ticks-pct of the talker's ticks ended within 80 ms.
+A run passes when the driver's verdict is PASS (every session passed; frame latency p99 within
+--driver-args' bound, 250 ms by default), every probe cycle got audio with first audio p99 at most
+--max-first-audio-p99-ms (400), and at least --min-ticks-pct (99.5) of the talker's ticks ended within
+80 ms.
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ class FrontdoorConfig(BenchConfig):
     driver_args: str = "--max-frame-latency-p99-ms 250"  # extra load driver flags: the targets' latency bound
     drain_s: float = 3.0  # the driver's observation window after the last frame
     min_ticks_pct: float = 99.5
+    max_first_audio_p99_ms: float = 400.0
     profile_s: float = 0.0  # > 0: py-spy records each gateway process this long, mid-run (raw stacks in --out)
 
 
 SMOKE = dict(preset="tiny", device="cpu", sessions="3", duration_s=4.0, mps=False, probe_sessions=1, probe_cycle_s=1.5,
-             driver_procs=2, gateway_workers="", min_ticks_pct=0.0, ready_timeout_s=120.0, open_timeout_s=60.0,
+             driver_procs=2, gateway_workers="2", min_ticks_pct=0.0, max_first_audio_p99_ms=5000.0, ready_timeout_s=120.0, open_timeout_s=60.0,
              progress_every_s=1.0, drain_s=2.0, out=os.path.join(tempfile.gettempdir(), "frontdoor-smoke"))
 
 
@@ -298,7 +301,8 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
     ticks_pct = None if talker["tick_share_le_80ms"] is None else round(100 * talker["tick_share_le_80ms"], 2)
     checks = {"driver_pass": drv.get("verdict") == "PASS",
               "probes_got_audio": probes_["cycles"] > 0 and probes_["with_audio"] == probes_["opened"] and not probes_["errors"],
-              "ticks_within_80ms": ticks_pct is not None and ticks_pct >= cfg.min_ticks_pct}
+              "ticks_within_80ms": ticks_pct is not None and ticks_pct >= cfg.min_ticks_pct,
+              "first_audio": (probes_["first_audio_ms"] or {}).get("p99", float("inf")) <= cfg.max_first_audio_p99_ms}
     if (out_dir / "load-timeline.png").is_file():
         shutil.copy(out_dir / "load-timeline.png", Path(cfg.out) / f"frontdoor-n{n}-timeline.png")
     return {"sessions": n, "passed": all(checks.values()), "checks": checks, "steady_sessions": steady,

@@ -35,12 +35,10 @@ _STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.Tal
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint):
-    # The codec stages have a slot for every caller, so the talker's refusal alone decides admission.
-    # With equal counts in all three stages, two workers' callers reach the stages in different
-    # orders, each stage gives its last slots to different callers, and a caller refused by any
-    # stage is refused whole: the cell can then admit fewer than its slots (the open path's order).
-    with Stack(tiny_checkpoint, sessions=SLOTS, codec_args=["--slots", "12"], gateway_workers="2",
-               gateway_args=GATEWAY_ARGS) as s:
+    # Every stage has SLOTS slots, as deployed. The gateway opens a session on the talker first and on
+    # the codecs once it accepts, so racing callers from two workers cannot take each stage's last
+    # slots in different orders (a caller refused by any stage is refused whole).
+    with Stack(tiny_checkpoint, sessions=SLOTS, gateway_workers="2", gateway_args=GATEWAY_ARGS) as s:
         yield s
 
 
