@@ -212,6 +212,8 @@ checkpoint {ckpt}).
   native chat:    ws://{a.host}:{g.port}/api/chat?voice_prompt={voices[0] if voices else 'NATF2.pt'}&text_prompt=Hello
   health/metrics: {g.http_url}/health   {g.http_url}/metrics
   voices:         {', '.join(voices) or 'none'}
+  stage Drain:    'authorization: Bearer ${ADMIN_TOKEN_ENV}' ({"yours" if os.environ.get(ADMIN_TOKEN_ENV) else
+                   f"not set: a fresh secret; set {ADMIN_TOKEN_ENV} before starting to drain by hand"})
 
   client:         {sys.executable} -m tools.client --url '{g.ws_url}' --input in.wav --output out.wav
 
