@@ -25,8 +25,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as sync_connect
 
 from services.gateway.bounded import OutputQueue, RecentIds, brief
-from tests.reliability_helpers import (Feeder, SyncRT, append, assert_nothing_leaked, async_wait_until, http_get,
-                                       leak_baseline, rss_mb, stage_counts, tone, wait_until)
+from tests.reliability_helpers import (Feeder, SyncRT, append, assert_nothing_leaked, async_wait_until, gateway_metric,
+                                       http_get, leak_baseline, rss_mb, stage_counts, tone, wait_until)
 from tools.run_stack import Stack
 
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
@@ -127,10 +127,11 @@ def internal_errors(stack) -> float:
                if line.startswith("gateway_errors_total{") and 'code="internal"' in line)
 
 
-def raw_socket_client(stack, rcvbuf: int = 4096) -> socket.socket:
+def raw_socket_client(gateway, rcvbuf: int = 4096) -> socket.socket:
+    """A socket to the gateway with a small receive buffer: a client that stops reading is felt at once."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.connect((stack.gateway.host, stack.gateway.port))
+    sock.connect((gateway.host, gateway.port))
     return sock
 
 
@@ -145,7 +146,7 @@ def test_huge_unknown_event_types_from_a_client_that_never_reads_cost_no_memory(
     heartbeat_rtt(other)
     pid = stack.gateway.proc.pid
     rss0, log0 = rss_mb(pid), gateway_log_bytes(stack.gateway)
-    stuck = sync_connect(stack.gateway.ws_url, sock=raw_socket_client(stack), max_size=None, open_timeout=60,
+    stuck = sync_connect(stack.gateway.ws_url, sock=raw_socket_client(stack.gateway), max_size=None, open_timeout=60,
                          legacy=True)
     big = json.dumps({"type": "é" * 1_000_000}, ensure_ascii=False)
     assert MAX_MESSAGE_BYTES - 100_000 < len(big.encode()) <= MAX_MESSAGE_BYTES
@@ -694,3 +695,33 @@ def test_connections_beyond_the_bound_get_503_and_health_still_answers(stack):
             ws.close()
     finally:
         gw.stop()
+
+
+def test_a_client_that_stops_reading_is_cut_off_by_the_byte_bound(stack, feeder, baseline):
+    """The output queue's byte bound on its own (its count bound set out of reach): a session whose
+    client never reads is cut off (close 1008, gateway_slow_client_cutoffs_total) once about 30 kB
+    of output wait for it, and the feeder on the same cell goes on."""
+    from tools.run_stack import GatewayProcess
+
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + [
+        "--output-queue-events", "1000000", "--output-queue-bytes", "30000", "--send-buffer-bytes", "8192"]).start()
+    try:
+        stuck = sync_connect(gw.ws_url, sock=raw_socket_client(gw), max_size=None, open_timeout=60,
+                             legacy=True, max_queue=1)
+        stuck.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+        frame = json.dumps(append(tone(1)))
+        deadline = time.monotonic() + 90
+        while gateway_metric(gw, "gateway_slow_client_cutoffs_total") < 1:
+            assert time.monotonic() < deadline, "the client that never reads was not cut off"
+            try:
+                stuck.send(frame)
+            except ConnectionClosed:
+                break
+            time.sleep(0.08)
+        assert wait_until(lambda: gateway_metric(gw, "gateway_slow_client_cutoffs_total") == 1, 30)
+        assert wait_until(lambda: gateway_metric(gw, "gateway_sessions_active") == 0, 30)
+        stuck.close()
+    finally:
+        gw.stop()
+    feeder.check_alive(2)
+    assert_nothing_leaked(stack, baseline)
