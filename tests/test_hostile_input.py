@@ -178,7 +178,7 @@ def test_huge_unknown_event_types_from_a_client_that_never_reads_cost_no_memory(
 def test_operation_ids_are_bounded_per_id_and_in_total(stack, feeder, baseline):
     """150 one-sample appends each with a distinct 1.9 MB operation_id: each is refused as
     `bad_event` (ids are at most 128 characters), nothing is remembered. Bound: RSS +40 MB (the
-    probe saw +277 MB) and another connection's heartbeat within 0.25 s (917 ms). Ids within the
+    probe saw +277 MB) and another connection's heartbeat within 0.4 s (917 ms). Ids within the
     bound still deduplicate: a repeated one is ignored, a new one is not."""
     rt = open_session(stack)
     other = SyncRT(stack.gateway.ws_url)
@@ -198,7 +198,7 @@ def test_operation_ids_are_bounded_per_id_and_in_total(stack, feeder, baseline):
     grown = rss_mb(pid) - rss0
     print(f"\n[hostile] 150 x 1.9 MB operation ids: gateway RSS +{grown:.1f} MB, "
           f"heartbeat max {max(rtts) * 1000:.0f} ms")
-    assert grown < 40 and max(rtts) < 0.25, (grown, rtts)
+    assert grown < 40 and max(rtts) < 0.4, (grown, rtts)
     # Within the bound, ids still deduplicate: the same id twice sends one packet.
     frame = append(tone(1))
     for op in ("op-a", "op-a", "op-b"):
