@@ -190,10 +190,15 @@ async def test_a_broken_link_frees_its_sessions_and_a_batched_step_answers_in_on
         await again.send(("s0", enc_open("s0")), ("s0", enc_frame(0, frames[0])), ("s0", common_pb2.LinkEnd()))
         await again.until(lambda: "s0" in again.status, what="s0 on a new link")
         assert again.status["s0"].code == 0 and len(again.responses["s0"]) == 2
+        # An ended stream id opens again on the same link (a caller retrying after a refusal does).
+        del again.status["s0"]
+        await again.send(("s0", enc_open("s0")), ("s0", enc_frame(0, frames[0])), ("s0", common_pb2.LinkEnd()))
+        await again.until(lambda: "s0" in again.status, what="s0 reopened")
+        assert again.status["s0"].code == 0 and len(again.responses["s0"]) == 4
         await again.close()
         reg = encoder.runtime.metrics.registry
         assert reg.get_sample_value("duplex_stage_links_opened_total", {"stage": "encoder"}) == 2
-        assert reg.get_sample_value("duplex_stage_link_entries_total", {"stage": "encoder", "direction": "in"}) >= 11
+        assert reg.get_sample_value("duplex_stage_link_entries_total", {"stage": "encoder", "direction": "in"}) >= 14
     finally:
         await channel.close()
         await encoder.stop()

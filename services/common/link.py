@@ -151,8 +151,10 @@ class Link:
         kind = entry.WhichOneof("kind")
         port = self.ports.get(sid)
         if port is None:
-            if sid in self._recent or kind != "request":
+            opening = kind == "request" and entry.request.WhichOneof("kind") == "open"
+            if kind != "request" or (sid in self._recent and not opening):
                 return  # in flight when its session ended, or an end for a session already over
+            self._recent.pop(sid, None)  # an ended stream id may open again, as on its own RPC
             if len(self.ports) >= self.max_sessions:
                 self._send_status(sid, (grpc.StatusCode.RESOURCE_EXHAUSTED, "link_full",
                                         f"the link carries {len(self.ports)} sessions, at most {self.max_sessions}"))
