@@ -126,7 +126,6 @@ class StageLink:
         self._room = asyncio.Event()
         self._room.set()
         self.lost: str | None = None
-        self.messages = {"in": 0, "out": 0}
         self._tasks = [asyncio.create_task(self._read_loop(), name=f"link-{cell.name}-{stage}-read"),
                        asyncio.create_task(self._write_loop(), name=f"link-{cell.name}-{stage}-write")]
 
@@ -171,12 +170,10 @@ class StageLink:
 
     async def _write(self, entries: list) -> None:
         await self._call.write(self._request_cls(entries=entries))
-        self.messages["out"] += 1
 
     async def _read_loop(self) -> None:
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
-                self.messages["in"] += 1
                 for entry in msg.entries:
                     self._on_entry(self.stage, entry)
             self._lose(f"ended the link: {(await self._call.code()).name} {await self._call.details()}".strip())
@@ -244,9 +241,6 @@ class CellLink:
             now = time.monotonic()
             for p in list(self.sessions.values()):
                 p._check_stall(now)
-
-    def message_counts(self) -> dict:
-        return {s: dict(link.messages) for s, link in self.links.items()}
 
     async def close(self) -> None:
         self._watch.cancel()
