@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
-import torch
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # before any grpc import: services/__init__.py says why
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Two cores are shared by the suite and the services it starts.
 torch.set_num_threads(1)

@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # before any grpc import: services/__init__.py says why
