@@ -1,16 +1,18 @@
 """The Realtime duplex wire (vLLM-Omni `/v1/realtime?duplex=1`, OpenAI Realtime GA names).
 
-One WebSocket = one session = one continuous response. The pure parts (session.update
-parsing, capabilities, event shapes) are module functions; `RealtimeSession` runs one
-connection: a reader (client events), the pipeline's callbacks (output frames, stage
+One WebSocket = one session = one continuous stream of model output, shown to the client as
+responses (conversation.py): one open from the first accepted audio on; response.cancel or a
+truncate of its item ends it early (its unsent audio dropped) and the next opens at once. The pure
+parts (session.update parsing, capabilities, event shapes) are module functions; `RealtimeSession`
+runs one connection: a reader (client events), the pipeline's callbacks (output frames, stage
 errors) and a writer task that drains a bounded queue to the socket.
 
 Ordering rules kept here:
-- every server event gets `event_id` and a per-connection increasing `server_event_seq`;
+- every server event gets `event_id` and a per-connection increasing `server_event_seq` as it is sent;
 - `rate_limit_error`/`resource_exhausted` comes before any `session.created`;
-- `response.created` once (at the first accepted audio), then per output frame exactly one
+- a response's opening events come before its first delta; then per output frame exactly one
   audio delta and one transcript delta (GA names, or legacy names if asked, never both);
-- `session.close` -> `response.done` -> `session.closed`.
+- `session.close` -> the open response's `.done` events -> `session.closed`.
 """
 
 from __future__ import annotations
