@@ -27,7 +27,6 @@ A run passes when the driver's verdict is PASS (every session passed; frame late
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
@@ -38,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +46,7 @@ from bench.pipeline import (
     BenchConfig, Mps, build_checkpoint, gpu_state, local_only_network, scrape, start_services, stop_services,
     wait_all_free,
 )
+from bench.pipeline import parse_args as pipeline_parse_args
 from bench.pipeline_report import stage_block, talker_block
 from bench.pipeline_stats import counter_by_label, ms_summary
 from tools.load_driver.input_audio import input_signal
@@ -83,18 +83,7 @@ SMOKE = dict(preset="tiny", device="cpu", sessions="3", duration_s=4.0, mps=Fals
 
 
 def parse_args(argv: list[str] | None) -> FrontdoorConfig:
-    ap = argparse.ArgumentParser(prog="python -m bench.frontdoor", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(FrontdoorConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            ap.add_argument(flag, dest=f.name, action="store_true", default=None)
-        else:
-            conv = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-            ap.add_argument(flag, dest=f.name, type=conv, default=None, help=f"default {f.default!r}")
-    given = {k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None}
-    cfg = FrontdoorConfig(**{**(SMOKE if given.get("smoke") else {}), **given})
-    cfg.validate()
+    cfg = pipeline_parse_args(argv, FrontdoorConfig, SMOKE, "python -m bench.frontdoor", __doc__)
     if cfg.driver_procs < 1:
         raise SystemExit("--driver-procs must be >= 1")
     return cfg
@@ -109,10 +98,10 @@ def log(msg: str) -> None:
 def cpu_seconds(pid: int) -> float | None:
     """utime + stime of one process, in seconds (None once it is gone)."""
     try:
-        fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields_[11]) + int(fields_[12])) / CLK_TCK
+    return (int(stat[11]) + int(stat[12])) / CLK_TCK
 
 
 def children(pid: int) -> list[int]:

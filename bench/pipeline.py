@@ -154,10 +154,13 @@ SMOKE = dict(preset="tiny", device="cpu", sessions="2", duration_s=4.0, client_p
              out=os.path.join(tempfile.gettempdir(), "pipeline-smoke"))  # never over the GPU results
 
 
-def parse_args(argv: list[str] | None) -> BenchConfig:
-    ap = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(BenchConfig):
+def parse_args(argv: list[str] | None, cls=None, smoke: dict | None = None, prog: str = "python -m bench.pipeline",
+               doc: str | None = None) -> BenchConfig:
+    """Flags for every field of `cls` (BenchConfig or a subclass); --smoke starts from `smoke`."""
+    cls = cls or BenchConfig
+    smoke = SMOKE if smoke is None else smoke
+    ap = argparse.ArgumentParser(prog=prog, description=doc or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             ap.add_argument(flag, dest=f.name, action="store_true", default=None)
@@ -165,8 +168,7 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
             conv = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
             ap.add_argument(flag, dest=f.name, type=conv, default=None, help=f"default {f.default!r}")
     given = {k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None}
-    base = SMOKE if given.get("smoke") else {}
-    cfg = BenchConfig(**{**base, **given})
+    cfg = cls(**{**(smoke if given.get("smoke") else {}), **given})
     cfg.validate()
     return cfg
 

@@ -12,7 +12,6 @@ import collections
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from duplex.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, talker_pb2
@@ -20,7 +19,7 @@ from services.encoder.config import EncoderConfig
 from services.encoder.server import build as build_encoder
 from tests.test_codec_services import audio, enc_frame, enc_open, encode_stream, served
 from tests.test_talker_service import (
-    OTHER_PERSONA, PERSONA, SLOTS, TICK_MS, Service, Session, config, first_voice, frame_msg, open_msg, user_frames,
+    OTHER_PERSONA, PERSONA, TICK_MS, Service, Session, config, first_voice, frame_msg, open_msg, user_frames,
 )
 
 pytestmark = pytest.mark.timeout(120)
