@@ -201,3 +201,41 @@ async def test_a_broken_link_frees_its_sessions_and_a_batched_step_answers_in_on
     finally:
         await channel.close()
         await encoder.stop()
+
+
+async def test_a_stage_that_does_not_read_its_link_is_given_up_within_the_outbox_bound(monkeypatch):
+    """The gateway's relays cannot wait for room on a link, so a stage that stops reading would grow
+    the link's unsent entries without end: past the bound the link is lost (its sessions fail typed)
+    and its entries are dropped."""
+    from duplex.v1 import encoder_pb2_grpc as stubs
+    from services.gateway import pipeline
+    from services.gateway.cells import _make_cell
+    from services.gateway.config import CellAddress
+
+    class Deaf(stubs.EncoderServicer):
+        async def EncodeLink(self, request_iterator, context):
+            await asyncio.sleep(3600)  # never reads: HTTP/2 flow control stops the caller's writes
+
+    server = grpc.aio.server()
+    stubs.add_EncoderServicer_to_server(Deaf(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    monkeypatch.setattr(pipeline, "OUTBOX_BYTES", 256 * 1024)
+    monkeypatch.setattr(pipeline, "OUTBOX_LIMIT_BYTES", 512 * 1024)
+    cell = _make_cell(CellAddress(f"127.0.0.1:{port}", "127.0.0.1:1", "127.0.0.1:1"))
+    lost = []
+    link = pipeline.StageLink(cell, "encoder", lambda stage, entry: None, lambda stage, why: lost.append(why))
+    try:
+        frame = encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=0, pcm_f32le=b"\0" * 7680))
+        for i in range(2000):  # 15 MB offered
+            link.send(f"s{i % 50}", request=frame)
+            if i % 20 == 0:
+                await asyncio.sleep(0.001)  # let the writer run (and block on the deaf stage)
+            if lost:
+                break
+        assert lost and "does not read its link" in lost[0], lost
+        assert link.lost is not None
+    finally:
+        await link.close()
+        await cell.close()
+        await server.stop(0)

@@ -55,6 +55,9 @@ MESSAGE_BYTES = 1 * 2**20  # one outgoing link message at most this big
 # and leave on the next loop turn.
 FLUSH_S = {"encoder": 0.005, "talker": 0.0, "decoder": 0.0}
 OUTBOX_BYTES = 32 * 2**20  # unsent entries on one stage link before send_frame waits
+# Unsent entries past which a stage that does not read its link is given up (its sessions fail
+# typed): the relays into the talker and decoder links cannot wait for room, so this bounds them.
+OUTBOX_LIMIT_BYTES = 2 * OUTBOX_BYTES
 WATCH_PERIOD_S = 0.25
 
 
@@ -137,7 +140,10 @@ class StageLink:
         size = entry.ByteSize()
         self._out.append((entry, size))
         self._out_bytes += size
-        if self._out_bytes > OUTBOX_BYTES:
+        if self._out_bytes > OUTBOX_LIMIT_BYTES:
+            self._lose(f"the {self.stage} does not read its link: {self._out_bytes} bytes unsent")
+            self._call.cancel()
+        elif self._out_bytes > OUTBOX_BYTES:
             self._room.clear()
         self._out_ready.set()
 
@@ -185,6 +191,7 @@ class StageLink:
     def _lose(self, why: str) -> None:
         if self.lost is None:
             self.lost = why
+            self._out, self._out_bytes = [], 0
             self._room.set()
             self._on_lost(self.stage, why)
 
