@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -148,6 +149,16 @@ class SyncRT:
 
     def close(self) -> None:
         self.ws.close()
+
+
+@contextlib.contextmanager
+def steady_feeder(stack, instructions: str = "You are steady."):
+    """A paced bystander session for a whole module: talking before the first test, still talking
+    after the last (every attack's neighbour)."""
+    f = Feeder(stack.gateway.ws_url, instructions=instructions)
+    f.check_alive(2, timeout=60)
+    yield f
+    assert f.stop()["frames_out"] > 0
 
 
 class Feeder:

@@ -26,7 +26,7 @@ from websockets.sync.client import connect as sync_connect
 
 from services.gateway.bounded import OutputQueue, RecentIds, brief
 from tests.reliability_helpers import (Feeder, SyncRT, append, assert_nothing_leaked, async_wait_until, gateway_metric,
-                                       http_get, leak_baseline, rss_mb, stage_counts, tone, wait_until)
+                                       http_get, leak_baseline, rss_mb, stage_counts, steady_feeder, tone, wait_until)
 from tools.run_stack import Stack
 
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
@@ -89,10 +89,8 @@ def stack(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def feeder(stack):
     """The untouched session: paced audio for the whole module."""
-    f = Feeder(stack.gateway.ws_url, instructions="You are steady.")
-    f.check_alive(2, timeout=60)
-    yield f
-    assert f.stop()["frames_out"] > 0
+    with steady_feeder(stack) as f:
+        yield f
 
 
 @pytest.fixture(scope="module")

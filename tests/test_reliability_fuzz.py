@@ -29,8 +29,8 @@ from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common import voice_names
 from services.common.errors import ERROR_KIND_KEY
 from services.gateway.config import DEFAULT_VOICE_ALIASES
-from tests.reliability_helpers import (FRAME, SR, Feeder, SyncRT, append, assert_nothing_leaked, f32_b64, gateway_metric,
-                                       leak_baseline, rss_mb, tone)
+from tests.reliability_helpers import (FRAME, SR, SyncRT, assert_nothing_leaked, f32_b64, gateway_metric, leak_baseline,
+                                       rss_mb, steady_feeder, tone)
 from tools.run_stack import Stack
 
 # A generous talker backlog: on a loaded 2-core machine the tiny talker can fall seconds behind,
@@ -89,12 +89,9 @@ def stack(checkpoint):
 
 @pytest.fixture(scope="module")
 def feeder(stack):
-    """The untouched session: paced pcm16 for the whole module."""
-    f = Feeder(stack.gateway.ws_url, instructions="You are steady.")
-    f.check_alive(2, timeout=60)
-    yield f
-    closed = f.stop()
-    assert closed["frames_out"] > 0
+    """The untouched session: paced audio for the whole module."""
+    with steady_feeder(stack) as f:
+        yield f
 
 
 @pytest.fixture(scope="module")
