@@ -214,7 +214,7 @@ class Feeder:
     def check_alive(self, min_new: int = 1, timeout: float = 30.0) -> int:
         """Assert at least `min_new` output frames arrived since the last check (waiting up to timeout)."""
         target = self._last_checked + min_new
-        got = wait_until(lambda: self.frames >= target or self.errors, timeout)
+        wait_until(lambda: self.frames >= target or self.errors, timeout)
         assert not self.errors, self.errors
         assert self.frames >= target, f"the untouched session stalled: {self.frames} frames, expected >= {target}"
         self._last_checked = self.frames

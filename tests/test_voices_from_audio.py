@@ -9,7 +9,6 @@ disk) and serves it by name and shipped with an open, over gRPC.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import wave
 from pathlib import Path

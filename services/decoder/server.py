@@ -5,7 +5,6 @@ Per frame: 8 codes, each in [0, bins) -> 1920 float32 samples (7680 bytes, littl
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from duplex.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc

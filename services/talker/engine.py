@@ -384,7 +384,7 @@ class TalkerEngine:
     @torch.no_grad()
     def step(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
         """Advance exactly the active slots by one frame; inactive slots are left untouched."""
-        S, dev, max_delay = self.num_slots, self.device, self.cfg.max_delay
+        S, dev = self.num_slots, self.device
         if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (S,):
             raise ValueError(f"active must be a BoolTensor[{S}], got {getattr(active, 'shape', active)!r}")
         if (not isinstance(user_codes, torch.Tensor) or user_codes.dtype != torch.long
