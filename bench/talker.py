@@ -31,7 +31,7 @@ import torch
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
-from services.common.text import TextTokenizer  # noqa: E402
+from services.talker.text import TextTokenizer  # noqa: E402
 from services.talker import fused  # noqa: E402
 from services.talker.engine import AGENT_CODEBOOKS, SamplingParams, TalkerEngine  # noqa: E402
 from services.talker.model import LMConfig, LMModel  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.talker import full_context_step, random_model, timed
-from services.common.text import TextTokenizer
+from services.talker.text import TextTokenizer
 from services.talker import decode_attention, fused
 from services.talker.engine import AGENT_CODEBOOKS
 from services.talker.model import LMConfig

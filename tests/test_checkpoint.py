@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
-from services.common.mimi import MimiConfig, MimiModel
-from services.common.text import TextTokenizer
+from services.codec.mimi import MimiConfig, MimiModel
+from services.talker.text import TextTokenizer
 from services.talker.model import LMConfig, LMModel
 from services.talker.voices import RING, VoicePrompt, load_voice, save_voice
 from tools.make_checkpoint import VOICE_NAMES, build_random_checkpoint, cache_dir, ensure_checkpoint, write_checkpoint

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 from duplex.v1 import decoder_pb2_grpc, encoder_pb2_grpc
 from services.common.checkpoint import CheckpointError, CheckpointPaths
-from services.common.codec_stage import CodecBatcher
+from services.codec.stage import CodecBatcher
 from services.common.metrics import StageMetrics
-from services.common.mimi import DroppedHalfError, MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
+from services.codec.mimi import DroppedHalfError, MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
 from services.common.stage_server import StageRuntime
 from services.decoder.config import DecoderConfig
 from services.decoder.server import build as build_decoder

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duplex.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from services.common.checkpoint import CheckpointPaths
-from services.common.mimi import MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
+from services.codec.mimi import MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
 from services.decoder.config import DecoderConfig
 from services.decoder.server import build as build_decoder
 from services.encoder.config import EncoderConfig

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.common.checkpoint import CheckpointError
-from services.common.mimi import InvalidFrame, MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
+from services.codec.mimi import InvalidFrame, MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
 
 FRAME = 1920
 
@@ -228,7 +228,7 @@ def test_full_keys_and_shapes_match_moshi():
     """The full config's state_dict has exactly the published Mimi names and shapes (all 32 codebooks)."""
     from moshi.models import loaders
 
-    from services.common.mimi.model import published_names
+    from services.codec.mimi.model import published_names
 
     with torch.device("meta"):
         ref = loaders.get_mimi(None, device="meta")

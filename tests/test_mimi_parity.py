@@ -13,7 +13,7 @@ import pytest
 import torch
 from moshi.models import loaders
 
-from services.common.mimi import MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
+from services.codec.mimi import MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
 
 STEPS = 24
 SLOTS = 3

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from duplex.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-from services.common.codec_stage import CodecService, CodecServiceConfig
+from services.codec.stage import CodecService, CodecServiceConfig
 from services.common.errors import ResourceExhausted, SeqGap, SeqRepeated
 from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool

@@ -22,7 +22,7 @@ import torch
 from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common import voice_audio
 from services.common.checkpoint import CheckpointPaths
-from services.common.mimi import MimiConfig, MimiModel, StreamingEncoder
+from services.codec.mimi import MimiConfig, MimiModel, StreamingEncoder
 from services.talker import prompt
 from services.talker.config import TalkerConfig
 from services.talker.engine import SamplingParams, TalkerEngine

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from services.common.mimi import MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
+from services.codec.mimi import MimiConfig, MimiModel, StreamingDecoder, StreamingEncoder
 
 
 def _median_ms(fn, steps: int, warmup: int, sync) -> tuple[float, float]:

@@ -37,8 +37,8 @@ import torch
 from safetensors.torch import save_file
 
 from services.common.checkpoint import CONFIG_FILE, CONFIG_SECTION, LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_DIR
-from services.common.mimi import MimiConfig, MimiModel
-from services.common.text import SYSTEM_TAG
+from services.codec.mimi import MimiConfig, MimiModel
+from services.talker.text import SYSTEM_TAG
 from services.talker import prompt
 from services.talker.model import LMConfig, LMModel
 from services.talker.voices import VoicePrompt, save_voice
@@ -140,7 +140,7 @@ def write_checkpoint(ckpt: RandomCheckpoint, out: str | Path) -> Path:
 # so a cached checkpoint is never stale after someone edits the model, codec or generator.
 _GENERATOR_SOURCES = ("tools/make_checkpoint.py", "tools/tokenizer_corpus.txt", "services/talker/model.py",
                       "services/talker/layers.py", "services/talker/prompt.py", "services/talker/voices.py",
-                      "services/common/text.py", "services/common/mimi/*.py")
+                      "services/talker/text.py", "services/codec/mimi/*.py")
 
 
 def generator_fingerprint() -> str:

@@ -19,7 +19,7 @@ import torch
 
 from services.common import voice_audio
 from services.common.checkpoint import CheckpointError, CheckpointPaths, InvalidVoice
-from services.common.mimi import MimiConfig, MimiModel
+from services.codec.mimi import MimiConfig, MimiModel
 from services.talker import prompt
 from services.talker.model import LMConfig, LMModel
 from services.talker.voice_recorder import record

@@ -5,7 +5,7 @@ Why: the encoder, talker and decoder of a cell share one GPU, and their kernels 
 down when they overlap (at 160 full-context sessions under MPS the talker's step took 62 ms p50
 beside the codecs, 48 ms alone; bench/results). The talker ticks on this grid, so another process
 can place its own work relative to the talker's deadlines without talking to it: an encoder with
-`step_phase_ms` steps once per period just before them (services/common/codec_stage.py).
+`step_phase_ms` steps once per period just before them (services/codec/stage.py).
 """
 
 from __future__ import annotations

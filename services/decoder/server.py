@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from duplex.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
-from services.common.codec_stage import CodecService, CodecServicer, inference_step, load_mimi
+from services.codec.stage import CodecService, CodecServicer, inference_step, load_mimi
 from services.common.errors import InvalidArgument
 from services.decoder.config import DecoderConfig
 
@@ -40,7 +40,7 @@ class DecoderServicer(CodecServicer, decoder_pb2_grpc.DecoderServicer):
 
 
 def build(cfg: DecoderConfig) -> CodecService:
-    from services.common.mimi import StreamingDecoder
+    from services.codec.mimi import StreamingDecoder
 
     model, mimi_cfg = load_mimi(cfg, keep="decode")  # the encode half is never loaded onto the device
     decoder = StreamingDecoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)

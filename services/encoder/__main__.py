@@ -1,6 +1,6 @@
 """python -m services.encoder --checkpoint DIR --port 50051 --metrics-port 9101 --slots 16 --device cpu"""
 
-from services.common.codec_stage import run_main
+from services.codec.stage import run_main
 from services.encoder.config import from_args
 from services.encoder.server import build
 

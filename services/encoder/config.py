@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.codec_stage import CodecServiceConfig
+from services.codec.stage import CodecServiceConfig
 from services.common.stage_config import load_config
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from duplex.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-from services.common.codec_stage import CodecService, CodecServicer, inference_step, load_mimi
+from services.codec.stage import CodecService, CodecServicer, inference_step, load_mimi
 from services.common.errors import InvalidArgument
 from services.encoder.config import EncoderConfig
 
@@ -39,7 +39,7 @@ class EncoderServicer(CodecServicer, encoder_pb2_grpc.EncoderServicer):
 
 
 def build(cfg: EncoderConfig) -> CodecService:
-    from services.common.mimi import StreamingEncoder
+    from services.codec.mimi import StreamingEncoder
 
     model, mimi_cfg = load_mimi(cfg, keep="encode")  # the decode half is never loaded onto the device
     encoder = StreamingEncoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)

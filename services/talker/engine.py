@@ -46,7 +46,7 @@ import torch
 
 from services.common import voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
-from services.common.text import InvalidText, TextTokenizer
+from services.talker.text import InvalidText, TextTokenizer
 from services.talker import prompt
 from services.talker.model import LMConfig, LMModel
 from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, noise_key, sample

@@ -41,7 +41,7 @@ AGENT_CODEBOOKS = 8
 @torch.no_grad()
 def encode_frames(mimi, frames: np.ndarray) -> torch.Tensor:
     """Mimi codes [N, 8] of frames [N, 1920], encoded one by one from a fresh streaming state."""
-    from services.common.mimi import StreamingEncoder
+    from services.codec.mimi import StreamingEncoder
 
     enc = StreamingEncoder(mimi, slots=1)
     active = torch.ones(1, dtype=torch.bool)
@@ -165,7 +165,7 @@ class VoiceRecorder:
     def _encode(self, pcm: np.ndarray) -> torch.Tensor:
         """Normalise, cut and Mimi-encode on a worker thread (CPU): the Mimi codes [N, 8]."""
         if self._mimi is None:
-            from services.common.mimi import MimiConfig, MimiModel
+            from services.codec.mimi import MimiConfig, MimiModel
 
             if not self.paths.mimi.is_file():
                 raise InvalidVoice("this talker cannot record voices from audio: its checkpoint has no Mimi file")

@@ -348,7 +348,7 @@ def load_mimi(cfg: CodecServiceConfig, keep: str | None = None):
     keep="encode" | "decode": the whole file is still checked strictly, then only that half is
     kept (MimiModel.keep_only) before the model moves to the device."""
     from services.common.checkpoint import CheckpointPaths
-    from services.common.mimi import MimiConfig, MimiModel
+    from services.codec.mimi import MimiConfig, MimiModel
 
     root = cfg.checkpoint
     if not root:

@@ -1,6 +1,6 @@
 """Per-step time of the codec services under N concurrent real-time streams (CPU or GPU).
 
-    python -m services.common.codec_bench --streams 1 16 --frames 25 [--checkpoint DIR] [--device cpu]
+    python -m bench.codec_bench --streams 1 16 --frames 25 [--checkpoint DIR] [--device cpu]
 
 Starts the encoder and decoder as real processes (tools/procs.py), runs N streams that each
 send one frame every 80 ms (encoder: random audio; decoder: the codes the encoder returned),
@@ -80,8 +80,8 @@ def raw_steps(checkpoint: str, device: str, streams: int, frames: int) -> None:
     """The codec alone, in this process, all `streams` slots active: the floor under the service's step."""
     import torch
 
-    from services.common.codec_stage import CodecServiceConfig, load_mimi
-    from services.common.mimi import StreamingDecoder, StreamingEncoder
+    from services.codec.stage import CodecServiceConfig, load_mimi
+    from services.codec.mimi import StreamingDecoder, StreamingEncoder
 
     model, cfg = load_mimi(CodecServiceConfig(checkpoint=checkpoint, device=device))
     enc, dec = StreamingEncoder(model, streams), StreamingDecoder(model, streams)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..checkpoint import CheckpointError, load_state_dict_strict
+from services.common.checkpoint import CheckpointError, load_state_dict_strict
 from .config import MimiConfig
 from .conv import StreamingConv1d, StreamingConvTranspose1d
 from .halves import DroppedHalfError, Prunable
