@@ -51,7 +51,7 @@ from bench.pipeline_report import stage_block, talker_block
 from bench.pipeline_stats import counter_by_label, ms_summary
 from tools.load_driver.input_audio import input_signal
 from tools.load_driver.session import RealtimeSession, realtime_url, session_update
-from tools.procs import REPO_ROOT, ServiceStartError, _die_with_parent, free_port
+from tools.procs import REPO_ROOT, ServiceStartError, die_with_parent, free_port
 from tools.run_stack import GatewayProcess
 
 STAGES = ("encoder", "talker", "decoder")
@@ -239,7 +239,7 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
     err_path = work / f"driver-n{n}.log"
     with open(err_path, "w") as err:
         driver = await asyncio.create_subprocess_exec(*cmd, cwd=REPO_ROOT, stdout=err, stderr=subprocess.STDOUT,
-                                                      preexec_fn=_die_with_parent)
+                                                      preexec_fn=die_with_parent)
     stop = asyncio.Event()
     cycles: list[dict] = []
     probes: list[asyncio.Task] = []

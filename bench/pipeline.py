@@ -52,7 +52,7 @@ from grpc_health.v1 import health_pb2
 from bench.pipeline_report import gpu_memory_lines, plot, print_table, summarize_run
 from bench.pipeline_stats import bucket_quantile, gpu_memory, histogram_delta, parse_metrics
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
-from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, _die_with_parent, health_status
+from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, health_status
 
 STAGES = ("encoder", "talker", "decoder")
 FRAME_PERIOD_S = 0.08
@@ -209,7 +209,7 @@ def build_checkpoint(cfg: BenchConfig, work: Path) -> Path:
     build_log = work / "make_checkpoint.log"
     t0 = time.monotonic()
     with open(build_log, "w+") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         next_note = t0 + 10
         while proc.poll() is None:
             time.sleep(0.5)
@@ -440,7 +440,7 @@ class LoadProcess:
         with open(stderr_path, "w") as err:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "bench.pipeline_load", cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=err, preexec_fn=_die_with_parent, limit=4 * 1024 * 1024)
+                stdout=asyncio.subprocess.PIPE, stderr=err, preexec_fn=die_with_parent, limit=4 * 1024 * 1024)
         return cls(index, proc, stderr_path)
 
     async def _read(self) -> None:

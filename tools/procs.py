@@ -34,7 +34,7 @@ class ServiceStartError(RuntimeError):
     """A service process exited or did not become SERVING in time; the message has its stderr tail."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: get SIGTERM if the parent (a test run) dies, so no service is orphaned."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -116,7 +116,7 @@ class ServiceProcess:
         # stderr to a file, not a pipe: a chatty service must never block on a full pipe.
         self._stderr = tempfile.TemporaryFile(mode="w+", prefix=f"{self.module}-", suffix=".stderr")
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=self._stderr,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         self._deadline = time.monotonic() + self.ready_timeout
         return self
 

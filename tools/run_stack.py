@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.stage_server import ADMIN_TOKEN_ENV
-from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, _die_with_parent, free_port
+from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, free_port
 
 
 @dataclass
@@ -78,7 +78,7 @@ class GatewayProcess:
 
     def start(self, timeout: float = 60.0) -> "GatewayProcess":
         self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -306,7 +306,7 @@ class CodecStream:
 class CodecServiceConfig:
     """What both codec services take (each service's config.py sets its own defaults)."""
 
-    checkpoint: str = ""  # checkpoint directory; "" = the embedded tiny random checkpoint
+    checkpoint: str = ""  # checkpoint directory in the published layout (required)
     host: str = "127.0.0.1"  # loopback unless the operator names an address (run_stack, k8s: the pod's)
     port: int = 0
     metrics_port: int = 0  # -1 disables the /metrics endpoint
@@ -350,12 +350,9 @@ def load_mimi(cfg: CodecServiceConfig, keep: str | None = None):
     from services.common.checkpoint import CheckpointPaths
     from services.codec.mimi import MimiConfig, MimiModel
 
-    root = cfg.checkpoint
-    if not root:
-        from tools.make_checkpoint import ensure_checkpoint
-
-        root = ensure_checkpoint("tiny", seed=0)
-    paths = CheckpointPaths.open(root, require=("mimi",))
+    if not cfg.checkpoint:
+        raise ValueError("a codec service needs a checkpoint directory (--checkpoint)")
+    paths = CheckpointPaths.open(cfg.checkpoint, require=("mimi",))
     section = paths.serve_config().get("mimi")
     mimi_cfg = MimiConfig.from_dict(section) if section else MimiConfig.full()
     model = MimiModel.load(paths.mimi, mimi_cfg, device=cfg.device, dtype=torch.float32, keep=keep)
@@ -463,6 +460,9 @@ def inference_step(step: StepFn, device: str) -> StepFn:
 
 def run_main(service_factory, cfg: CodecServiceConfig) -> None:
     """Process entry point shared by `python -m services.encoder` / `services.decoder`."""
+    if not cfg.checkpoint:
+        raise SystemExit(f"{cfg.__class__.__name__}: --checkpoint is required (tools.run_stack passes the embedded tiny "
+                         f"checkpoint's directory)")
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_process(cfg.threads, cfg.gil_switch_ms)
 
