@@ -305,25 +305,42 @@ def gpu_state() -> dict | None:
 
 # ---- phase 3: services --------------------------------------------------------------------------
 
+# The GPU serving profile has one definition, the gpu overlay's config (ENCODER_*, TALKER_*, DECODER_*
+# literals); the benchmarks run the stages with exactly those settings. The benchmark sets these itself.
+GPU_PROFILE = REPO_ROOT / "k8s" / "overlays" / "gpu" / "kustomization.yaml"
+SET_PER_RUN = {"SLOTS", "DEVICE"}
+
+
+def gpu_profile_args(path: Path = GPU_PROFILE) -> dict[str, list[str]]:
+    """Each stage's flags for the GPU deployment's settings (the overlay's config literals)."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    args: dict[str, list[str]] = {s: [] for s in STAGES}
+    for gen in doc.get("configMapGenerator", []):
+        for literal in gen.get("literals", []):
+            key, _, value = literal.partition("=")
+            stage, _, field = key.partition("_")
+            if stage.lower() in args and field not in SET_PER_RUN:
+                args[stage.lower()] += ["--" + field.lower().replace("_", "-"), {"1": "true", "0": "false"}.get(value, value)]
+    return args
+
+
 def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, list[str]]:
+    """Each stage's command line: on the GPU the deployment's profile (gpu_profile_args), on the CPU one
+    thread each; then the benchmark's own switches, then --codec-args / --encoder-args / --decoder-args /
+    --talker-args, which override."""
     common = ["--checkpoint", str(checkpoint), "--slots", str(slots), "--device", cfg.device]
-    # The GPU deployment's talker (k8s/overlays/gpu): fp8 KV ring and temporal weights, the step as
-    # one CUDA graph with its elementwise chains compiled, and the sessions' voice prefilled at start.
-    talker = (["--kv-fp8", "true", "--weights-fp8", "true", "--cuda-graph", "true"] if cfg.cuda else ["--threads", "1"])
-    if cfg.cuda and not cfg.no_compile:
-        talker += ["--compile", "true"]
-    talker += ["--preload-voices", cfg.voice]
+    profile = gpu_profile_args() if cfg.cuda else {"encoder": [], "talker": ["--threads", "1"], "decoder": []}
+    talker = [] if cfg.voice in profile["talker"] else ["--preload-voices", cfg.voice]
+    if cfg.cuda and cfg.no_compile:
+        talker += ["--compile", "false"]
     if cfg.full_context:
         talker += ["--bench-full-context", "true"]
-    # The codecs as deployed (k8s/overlays/gpu): CUDA graphs, and on the GPU a batch wait of 20 ms
-    # for the encoder (a step costs the same for 1 or N streams) and 2 ms for the decoder (a tick's
-    # outputs arrive together). --codec-args and then --encoder-args / --decoder-args
-    # come after, so they override these.
-    codec = ["--threads", "1"] + (["--cuda-graph", "true"] if cfg.cuda else [])
-    wait = {"encoder": ["--batch-wait-ms", "20"], "decoder": ["--batch-wait-ms", "2"]} if cfg.cuda else {}
-    return {"encoder": common + codec + wait.get("encoder", []) + shlex.split(cfg.codec_args) + shlex.split(cfg.encoder_args),
-            "talker": common + talker + shlex.split(cfg.talker_args),
-            "decoder": common + codec + wait.get("decoder", []) + shlex.split(cfg.codec_args) + shlex.split(cfg.decoder_args)}
+    codec = ["--threads", "1"]
+    return {"encoder": common + codec + profile["encoder"] + shlex.split(cfg.codec_args) + shlex.split(cfg.encoder_args),
+            "talker": common + profile["talker"] + talker + shlex.split(cfg.talker_args),
+            "decoder": common + codec + profile["decoder"] + shlex.split(cfg.codec_args) + shlex.split(cfg.decoder_args)}
 
 
 def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict[str, ServiceProcess], dict]:

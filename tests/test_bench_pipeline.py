@@ -423,3 +423,25 @@ def test_per_codec_flags_go_to_that_codec_only_and_last(tmp_path):
     assert args["encoder"][-4:] == ["--batch-wait-ms", "9", "--step-phase-ms", "65"]
     assert args["decoder"][-4:] == ["--batch-wait-ms", "9", "--batch-wait-ms", "3"]  # the last wins
     assert "--step-phase-ms" not in args["decoder"] + args["talker"]
+
+
+def test_the_benchmarks_run_the_gpu_overlays_profile(tmp_path):
+    """One GPU serving profile: the benchmarks' stage command lines on CUDA come from the gpu overlay's
+    ENCODER_* / TALKER_* / DECODER_* settings (slots and device are set per run), so the two cannot
+    drift apart; a changed overlay changes the benchmark."""
+    from bench.pipeline import GPU_PROFILE, gpu_profile_args, parse_args, service_args
+
+    cfg = parse_args(["--device", "cuda", "--preset", "full"])
+    args = service_args(cfg, tmp_path, 8)
+
+    def value(stage: str, flag: str) -> str:
+        line = args[stage]
+        return line[len(line) - 1 - line[::-1].index(flag) + 1]  # the last occurrence wins
+
+    assert [value("talker", f) for f in ("--kv-fp8", "--weights-fp8", "--cuda-graph", "--compile")] == ["true"] * 4
+    assert value("encoder", "--cuda-graph") == value("decoder", "--cuda-graph") == "true"
+    assert (value("encoder", "--batch-wait-ms"), value("decoder", "--batch-wait-ms")) == ("20", "2")
+    assert value("talker", "--slots") == "8" and value("talker", "--device") == "cuda"
+    changed = tmp_path / "kustomization.yaml"
+    changed.write_text(GPU_PROFILE.read_text().replace("DECODER_BATCH_WAIT_MS=2", "DECODER_BATCH_WAIT_MS=7"))
+    assert gpu_profile_args(changed)["decoder"][-2:] == ["--batch-wait-ms", "7"]
