@@ -21,8 +21,8 @@ import numpy as np
 
 from duplex.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tools.procs import ServiceProcess
+from services.common.frame import FRAME_SAMPLES as FRAME
 
-FRAME = 1920
 
 
 def scrape(url: str, stage: str) -> dict[str, float]:

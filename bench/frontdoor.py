@@ -53,10 +53,9 @@ from tools.load_driver.input_audio import input_signal
 from tools.load_driver.session import RealtimeSession, realtime_url, session_update
 from tools.procs import REPO_ROOT, ServiceStartError, die_with_parent, free_port
 from tools.run_stack import GatewayProcess
+from services.common.frame import FRAME_S as PERIOD_S, FRAME_SAMPLES as FRAME
 
 STAGES = ("encoder", "talker", "decoder")
-FRAME = 1920
-PERIOD_S = 0.08
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 

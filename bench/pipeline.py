@@ -53,9 +53,9 @@ from bench.pipeline_report import gpu_memory_lines, plot, print_table, summarize
 from bench.pipeline_stats import bucket_quantile, gpu_memory, histogram_delta, parse_metrics
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, health_status
+from services.common.frame import FRAME_S as FRAME_PERIOD_S
 
 STAGES = ("encoder", "talker", "decoder")
-FRAME_PERIOD_S = 0.08
 START_LEAD_S = 0.5  # "all admitted" -> shared first send: time for every load process to get the start
 
 

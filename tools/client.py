@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from websockets.asyncio.client import connect
+from services.common.frame import FRAME_SAMPLES as FRAME, SAMPLE_RATE
 
-SAMPLE_RATE = 24_000
-FRAME = 1920
 
 
 def read_wav(path: str, say=print) -> np.ndarray:

@@ -52,8 +52,8 @@ from services.common.errors import (AlreadyExists, FailedPrecondition, IdleTimeo
 from services.common.metrics import StageMetrics
 from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool
+from services.common.frame import FRAME_MS
 
-FRAME_MS = 80
 # A health service name that stays SERVING while draining (for a liveness probe: a draining
 # process is alive and must not be restarted; "" and the stage's own name go NOT_SERVING).
 LIVENESS = "liveness"

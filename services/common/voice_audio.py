@@ -19,9 +19,8 @@ import numpy as np
 import sphn
 
 from services.common.checkpoint import InvalidVoice
+from services.common.frame import FRAME_SAMPLES, SAMPLE_RATE
 
-SAMPLE_RATE = 24_000
-FRAME_SAMPLES = 1920
 TARGET_LUFS = -24.0
 # BS.1770 gates blocks below -70 LUFS: audio with no block above it has no integrated loudness.
 SILENCE_LUFS = -70.0

@@ -12,10 +12,8 @@ import base64
 import binascii
 
 import numpy as np
+from services.common.frame import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE  # noqa: F401 (FRAME_MS: the gateway's name)
 
-SAMPLE_RATE = 24_000
-FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one Mimi code frame, one model step
-FRAME_MS = 80
 
 # Input formats a client may name. Output is always pcm16.
 PCM16 = "pcm16"

@@ -51,13 +51,13 @@ from services.talker import prompt
 from services.talker.model import LMConfig, LMModel
 from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, noise_key, sample
 from services.talker.voices import RING, VoicePrompt, load_voice
+from services.common.frame import CODEBOOKS as AGENT_CODEBOOKS
 
 __all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling", "InvalidVoice",
            "ALIGNMENTS"]
 
 log = logging.getLogger("talker.engine")
 
-AGENT_CODEBOOKS = 8
 ALIGNMENTS = ("personaplex", "moshi")  # the live-step timings (module doc); TalkerConfig.alignment
 GRAPH_TEXT_TOP_K = 1024  # text top-k width a CUDA-graphed step is captured for (audio: the whole card)
 

@@ -43,11 +43,10 @@ from services.talker.config import TalkerConfig
 from services.talker.metrics import TalkerMetrics
 from services.talker.scheduler import END, ConversationClock, Output, Ready, Session
 from services.talker.voice_recorder import VoiceRecorder
+from services.common.frame import CARD, CODEBOOKS
 
 log = logging.getLogger("talker")
 
-CODEBOOKS = 8
-CARD = 2048
 
 
 def engine_api():

@@ -32,10 +32,10 @@ from services.common import voice_audio, voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.talker import prompt
 from services.talker.voices import VoicePrompt, load_voice, save_voice
+from services.common.frame import CODEBOOKS as AGENT_CODEBOOKS
 
 log = logging.getLogger("talker.voices")
 
-AGENT_CODEBOOKS = 8
 
 
 @torch.no_grad()

@@ -9,9 +9,8 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from services.common.frame import FRAME_SAMPLES, SAMPLE_RATE as SAMPLE_RATE_HZ
 
-SAMPLE_RATE_HZ = 24_000
-FRAME_SAMPLES = 1_920  # one 80 ms model frame
 FRAME_PERIOD_S = FRAME_SAMPLES / SAMPLE_RATE_HZ  # 0.08
 # Continuity: the player-starvation budget of the shared continuity helper (100 ms).
 UNDERRUN_THRESHOLD_S = 0.1
