@@ -298,3 +298,19 @@ def test_conversation_lifecycle_validates_and_truncate_cuts_at_a_frame():
         c.finish("completed")
         c.start()
     assert len(c.items) == MAX_ITEMS and c.current.item.id in c.items
+
+
+def test_every_gateway_flag_reads_its_environment_variable_and_the_command_line_wins(monkeypatch):
+    from services.gateway.config import GatewayConfig
+
+    monkeypatch.setenv("GATEWAY_CELLS", "a:1,b:2,c:3")
+    monkeypatch.setenv("GATEWAY_OPEN_TIMEOUT", "12.5")
+    monkeypatch.setenv("GATEWAY_MAX_CONNECTIONS", "77")
+    monkeypatch.setenv("GATEWAY_CELLS_DNS", "cells")
+    cfg = GatewayConfig.from_args([])
+    assert (cfg.open_timeout_s, cfg.max_connections, cfg.cells_dns) == (12.5, 77, "cells")
+    assert cfg.cells[0].encoder == "a:1"
+    assert GatewayConfig.from_args(["--open-timeout", "3"]).open_timeout_s == 3.0
+    monkeypatch.setenv("GATEWAY_MAX_CONNECTIONS", "many")
+    with pytest.raises(SystemExit):  # a bad value is a clear exit, as a bad flag is
+        GatewayConfig.from_args([])

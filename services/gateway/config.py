@@ -12,6 +12,7 @@ from pathlib import Path
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API_KEY_ENV = "PERSONAPLEX_GATEWAY_API_KEY"
 TRUTHY = ("1", "true", "yes", "on")
+ENV_PREFIX = "GATEWAY_"
 WORKERS_ENV = "GATEWAY_WORKERS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -90,6 +91,17 @@ def _cgroup_cpu_quota(root: Path) -> float | None:
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None
+
+
+def _defaults_from_env(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """Every flag also reads PREFIX + its name from the environment (GATEWAY_OPEN_TIMEOUT for
+    --open-timeout), as every stage service's do; the command line wins."""
+    for action in parser._actions:
+        var = prefix + action.dest.upper()
+        if action.option_strings and action.dest != "help" and var in os.environ:
+            value = os.environ[var]
+            # argparse converts a string default with the flag's type, as if it were given.
+            parser.set_defaults(**{action.dest: value.lower() in TRUTHY if action.nargs == 0 else value})
 
 
 def parse_workers(text: str) -> int:
@@ -203,6 +215,7 @@ class GatewayConfig:
                        help="enable PUT/DELETE /v1/voices/NAME (needs the API key; env GATEWAY_VOICE_UPLOAD)")
         p.add_argument("--voices-dir", default=os.environ.get("GATEWAY_VOICES_DIR", d.voices_dir),
                        help="folder of enrolled voices, shared by workers and replicas (env GATEWAY_VOICES_DIR)")
+        _defaults_from_env(p, ENV_PREFIX)
         a = p.parse_args(argv)
         cells = parse_cells(a.cells) if a.cells else ()
         if a.cells_file:
