@@ -92,9 +92,6 @@ class BenchConfig:
     # model says is then meaningless, which this benchmark does not read.
     full_context: bool = False
     no_compile: bool = False  # the talker without torch.compile'd elementwise kernels (A/B)
-    # With --mps: the share of the GPU's SMs each codec process may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
-    # in its environment), so the codecs' kernels leave SMs to the talker's; 0 = no limit.
-    codec_sm_percent: int = 0
     talker_args: str = ""  # extra talker flags, e.g. "--max-backlog-s 3"
     codec_args: str = ""  # extra encoder/decoder flags
     # Extra flags of one codec (after --codec-args), e.g. the phased encoder and a decoder that
@@ -139,8 +136,6 @@ class BenchConfig:
             raise SystemExit(f"--probe-sessions K needs 0 <= K < every N of --sessions/--fallback-sessions (the "
                              f"other N-K sessions are the steady load); got K={self.probe_sessions} and N="
                              f"{min(self.sweep + self.fallbacks)}")
-        if not 0 <= self.codec_sm_percent <= 100 or (self.codec_sm_percent and not self.mps):
-            raise SystemExit(f"--codec-sm-percent must be in [0, 100] and needs --mps, got {self.codec_sm_percent}")
         if self.send_phases not in ("spread", "together"):
             raise SystemExit(f"--send-phases must be spread or together, got {self.send_phases!r}")
         if self.probe_cycle_s < 2 * FRAME_PERIOD_S:
@@ -346,9 +341,7 @@ def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, li
 def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict[str, ServiceProcess], dict]:
     """All three at once (each loads its model); returns once every one answers SERVING."""
     args = service_args(cfg, checkpoint, slots)
-    codec_env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(cfg.codec_sm_percent)} if cfg.codec_sm_percent else {}
-    procs = {s: ServiceProcess(f"services.{s}", args[s], ready_timeout=cfg.ready_timeout_s,
-                               env=None if s == "talker" else codec_env) for s in STAGES}
+    procs = {s: ServiceProcess(f"services.{s}", args[s], ready_timeout=cfg.ready_timeout_s) for s in STAGES}
     t0 = time.monotonic()
     ready: dict[str, float] = {}
     try:

@@ -323,7 +323,6 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
     (["--smoke", "--probe-sessions", "2"], "--probe-sessions K needs"),  # smoke N is 2: no steady session left
     (["--smoke", "--sessions", "4", "--fallback-sessions", "1"], "--probe-sessions K needs"),
     (["--smoke", "--probe-cycle-s", "0.1"], "two input frames"),
-    (["--smoke", "--codec-sm-percent", "30"], "needs --mps"),
     (["--smoke", "--send-phases", "random"], "spread or together"),
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, tmp_path):

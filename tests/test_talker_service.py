@@ -487,8 +487,7 @@ def test_config_env_then_flags_and_bad_values():
     assert cfg.max_backlog_frames == 50  # 2 s of 40 ms frames
     assert cfg.torch_dtype == torch.float32 and replace(cfg, device="cuda").torch_dtype == torch.bfloat16
     for bad in ({"slots": 0}, {"tick_ms": 0.0}, {"max_backlog_s": 0.0}, {"dtype": "int8"}, {"context": -1},
-                {"prefill_overrun_ms": -1.0}, {"prefill_overrun_ms": 40.0}, {"input_wait_ms": 40.0},
-                {"catch_up_lag_frames": 0}):
+                {"input_wait_ms": 40.0}, {"catch_up_lag_frames": 0}):
         with pytest.raises(ValueError):
             replace(cfg, **bad)
     with pytest.raises(SystemExit):
@@ -809,27 +808,6 @@ async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tin
         assert b.live
     finally:
         await close_all(clock)
-
-
-async def test_a_prefill_piece_overruns_the_deadline_only_as_far_as_the_next_tick_allows(tiny_checkpoint):
-    """prefill_overrun_s: a piece may end past the next deadline by at most that much, and only
-    when the next tick, starting that late, still ends within its period by the measured step.
-    Without it a piece must end (with the headroom, 8 ms here) before the deadline."""
-    from services.common.slots import SlotPool
-    from services.talker.scheduler import ConversationClock
-
-    clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25)
-    try:
-        clock._piece_s, clock._step_s = 0.030, 0.040  # a piece ends 38 ms after it starts, with the headroom
-        assert clock._piece_fits(0.0, 0.040)
-        assert not clock._piece_fits(0.0, 0.030)  # 8 ms past the deadline: no overrun allowed
-        clock.prefill_overrun_s = 0.020
-        assert clock._piece_fits(0.0, 0.030)  # 8 ms past; the next tick ends at 78 of its 110
-        assert not clock._piece_fits(0.0, 0.010)  # 28 ms past: over the 20 ms allowed
-        clock._step_s = 0.075
-        assert not clock._piece_fits(0.0, 0.030)  # the next tick would end at 113, past its 110
-    finally:
-        await clock.stop()
 
 
 async def test_the_clock_ticks_on_the_cells_frame_grid(tiny_checkpoint):

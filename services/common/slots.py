@@ -41,15 +41,8 @@ class SlotPool:
         return len(self._free)
 
     @property
-    def held_count(self) -> int:
-        return len(self._held)
-
-    @property
     def retiring_count(self) -> int:
         return len(self._retiring)
-
-    def is_held(self, slot: int) -> bool:
-        return slot in self._held
 
     def acquire(self) -> int:
         if not self._free:

@@ -72,10 +72,6 @@ def f32_to_pcm16_bytes(samples: np.ndarray) -> bytes:
     return (x * 32767.0).round().astype("<i2").tobytes()
 
 
-def pcm16_bytes_to_f32(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-
-
 def f32_frame_bytes(frame: np.ndarray) -> bytes:
     """One frame as the stage services' wire format: 1920 float32 LE samples."""
     assert frame.shape == (FRAME_SAMPLES,), frame.shape

@@ -71,10 +71,6 @@ class TalkerConfig:
     # Run one prefill piece per main step, its host work while the GPU runs the step and its GPU
     # work right behind it (scheduler module doc). Off: pieces run only in the slack after a tick.
     prefill_in_step: bool = True
-    # How far past the next deadline a prefill piece may end (0 = it must end before it): at most
-    # so far that the next tick, starting that much late, still ends within its period by the
-    # measured step. A piece that does not fit either way waits (two periods at most).
-    prefill_overrun_ms: float = 0.0
     # Voices (comma-separated basenames, e.g. "NATF2.pt,NATM1.pt") whose KV prefix is computed at
     # start instead of by the first session that asks for one. Each costs its frames of KV (about
     # 0.27 MB per frame at full size, fp8) for the life of the process.
@@ -121,8 +117,6 @@ class TalkerConfig:
             raise ValueError(f"context must be >= 0 (0 = the checkpoint's), got {self.context}")
         if self.prefill_chunk_frames < 1:
             raise ValueError(f"prefill_chunk_frames must be >= 1, got {self.prefill_chunk_frames}")
-        if not 0.0 <= self.prefill_overrun_ms < self.tick_ms:
-            raise ValueError(f"prefill_overrun_ms must be in [0, tick_ms), got {self.prefill_overrun_ms}")
         if not 0.5 <= self.max_voice_seconds <= 600.0:
             raise ValueError(f"max_voice_seconds must be in [0.5, 600], got {self.max_voice_seconds}")
         if self.max_persona_chars < 1:

@@ -37,9 +37,7 @@ After the tick's outputs, more pieces run in the slack before the next deadline 
 measured piece time (an EMA, plus a tenth of the period) fits. Without prefill_in_step one piece
 per period runs even when it does not fit: if the prompt has made no progress for two periods (so
 a full clock delays a new session instead of starving it), and at once if the slack the ticks have
-been leaving (an EMA) is shorter than a piece. With prefill_overrun_s a piece also fits when it
-ends at most that far past the deadline and the next tick, starting that late, still ends within
-its period by the measured step.
+been leaving (an EMA) is shorter than a piece.
 When no session is live, prefill runs in whole chunks while the clock sleeps.
 
 Frames arrive with jitter. A session whose frames reach the talker near the deadline would
@@ -141,7 +139,7 @@ class Session:
 
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
-                 prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, prefill_overrun_s: float = 0.0,
+                 prefill_chunk_frames: int = 64, input_wait_s: float = 0.0,
                  tick_phase_s: float = 0.0, catch_up_lag_frames: int = LAG_FRAMES, prefill_in_step: bool = True,
                  metrics=None):
         if catch_up_lag_frames < 1:
@@ -149,7 +147,6 @@ class ConversationClock:
         self.engine = engine
         self.catch_up_lag_frames = catch_up_lag_frames
         self.tick_phase_s = tick_phase_s  # deadlines at k * tick_s + tick_phase_s (services/common/frame_grid.py)
-        self.prefill_overrun_s = prefill_overrun_s
         self.input_wait_s = input_wait_s
         self.pool = pool
         self.tick_s = tick_s
@@ -549,17 +546,11 @@ class ConversationClock:
         fits would only delay the new session, and the tick after the piece is late either way."""
         if self._piece_s == 0.0 or self._slack_s is None:
             return False
-        return self._slack_s + self.prefill_overrun_s < self._piece_s + STEP_HEADROOM * self.tick_s
+        return self._slack_s < self._piece_s + STEP_HEADROOM * self.tick_s
 
     def _piece_fits(self, now: float, period_end: float) -> bool:
-        """Whether a piece started now (its measured time plus the headroom) ends before period_end,
-        or, with prefill_overrun_s, ends at most that far past it and early enough that the next
-        tick, started that late, still ends within its period by the measured step."""
-        headroom = STEP_HEADROOM * self.tick_s
-        end = now + self._piece_s + headroom
-        if end <= period_end:
-            return True
-        return end <= period_end + self.prefill_overrun_s and end + self._step_s <= period_end + self.tick_s
+        """Whether a piece started now (its measured time plus the headroom) ends before period_end."""
+        return now + self._piece_s + STEP_HEADROOM * self.tick_s <= period_end
 
     def _prefill_piece(self, job, begin_args: tuple, wait: bool = True):
         """On the compute thread: begin() if the session has no job yet, then one chunk of up to

@@ -286,7 +286,7 @@ class TalkerService:
         self.clock = ConversationClock(
             self.engine, runtime.pool, tick_s=cfg.tick_ms / 1000.0, max_backlog_frames=cfg.max_backlog_frames,
             prefill_chunk_frames=cfg.prefill_chunk_frames, input_wait_s=cfg.input_wait_ms / 1000.0,
-            prefill_overrun_s=cfg.prefill_overrun_ms / 1000.0, tick_phase_s=cfg.tick_phase_ms / 1000.0,
+            tick_phase_s=cfg.tick_phase_ms / 1000.0,
             catch_up_lag_frames=cfg.catch_up_lag_frames, prefill_in_step=cfg.prefill_in_step, metrics=metrics)
         # On the compute thread, before serving: the CUDA graph capture and the first prefill's
         # allocations (cuBLAS handle and workspace are per thread) happen now, not on a live tick,

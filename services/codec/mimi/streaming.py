@@ -62,9 +62,6 @@ class _Streamer:
         for t in self._tensors:
             t.zero_()
 
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors)
-
     def _check_active(self, active: Tensor) -> Tensor:
         if not isinstance(active, Tensor) or active.dtype != torch.bool or tuple(active.shape) != (self.slots,):
             raise InvalidFrame(f"active must be a bool tensor of shape ({self.slots},), got {_describe(active)}")
