@@ -51,8 +51,8 @@ MESSAGE_BYTES = 1 * 2**20  # one outgoing link message at most this big
 # How long a link waits after its first unsent entry before it writes, per stage. Client frames reach
 # the gateway spread over the period, one at a time: without a wait each would be its own message to
 # the encoder (2000 a second at 160 sessions). 5 ms makes that 200 and delays a frame 2.5 ms on
-# average. The talker's and decoder's entries come in bursts (one encoder batch, one tick's outputs)
-# and leave on the next loop turn.
+# average; a session's open or end leaves at once. The talker's and decoder's entries come in bursts
+# (one encoder batch, one tick's outputs) and leave on the next loop turn.
 FLUSH_S = {"encoder": 0.005, "talker": 0.0, "decoder": 0.0}
 OUTBOX_BYTES = 32 * 2**20  # unsent entries on one stage link before send_frame waits
 # Unsent entries past which a stage that does not read its link is given up (its sessions fail
@@ -126,6 +126,7 @@ class StageLink:
         self._out: list = []
         self._out_bytes = 0
         self._out_ready = asyncio.Event()
+        self._urgent = asyncio.Event()  # an open or an end waits: no gathering (FLUSH_S) for it
         self._room = asyncio.Event()
         self._room.set()
         self.lost: str | None = None
@@ -145,6 +146,8 @@ class StageLink:
             self._call.cancel()
         elif self._out_bytes > OUTBOX_BYTES:
             self._room.clear()
+        if "end" in kind or kind["request"].WhichOneof("kind") != "frame":
+            self._urgent.set()
         self._out_ready.set()
 
     async def room(self) -> None:
@@ -156,8 +159,9 @@ class StageLink:
         try:
             while True:
                 await self._out_ready.wait()
-                await asyncio.sleep(FLUSH_S[self.stage])  # entries of this turn (or this wait) join
+                await self._gather()
                 self._out_ready.clear()
+                self._urgent.clear()
                 entries, self._out, self._out_bytes = self._out, [], 0
                 self._room.set()
                 chunk, size = [], 0
@@ -173,6 +177,18 @@ class StageLink:
             raise
         except Exception as e:
             self._lose(f"writing failed: {_describe(e)}")
+
+    async def _gather(self) -> None:
+        """Let the other entries of this loop turn join, and on a link with a FLUSH_S those of that long,
+        unless an open or an end is waiting (a session's start and close are not held back)."""
+        wait = FLUSH_S[self.stage]
+        if wait <= 0 or self._urgent.is_set():
+            await asyncio.sleep(0)
+            return
+        try:
+            await asyncio.wait_for(self._urgent.wait(), wait)
+        except asyncio.TimeoutError:
+            pass
 
     async def _write(self, entries: list) -> None:
         await self._call.write(self._request_cls(entries=entries))
