@@ -16,13 +16,17 @@ ARGS    ?=
 # Options for pytest, e.g. `make test PYTEST_ARGS="-k mimi -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-test setup-frameworks stubs checkpoint clean
+.PHONY: run test lint setup setup-test setup-frameworks stubs checkpoint clean
 
 run: setup stubs
 	$(PY) -m tools.run_stack $(ARGS)
 
-test: setup-test setup-frameworks stubs
+test: setup-test lint setup-frameworks stubs
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff with pyproject's [tool.ruff] (120 columns, pycodestyle + pyflakes); any finding fails the build.
+lint: setup-test
+	$(PY) -m ruff check .
 
 setup: $(RUNTIME)
 setup-test: $(TESTDEP)

@@ -94,7 +94,7 @@ def main() -> None:
                 sweep.append({"slots": S, "fill": fill, "block_n": bn, "num_warps": warps, "num_stages": stages,
                               "ms_per_layer": round(t * 1e3, 4), "gb_per_s": round(gb / t)})
                 print(f"{key}: {t*1e3:.3f} ms/layer, {gb/t:.0f} GB/s")
-        del kq, vq
+        kq = vq = None  # free this size's rings before the next size allocates its own
     full = [r for r in sweep if r["slots"] == 160 and r["fill"] == C]
     if full:
         best = min(full, key=lambda r: r["ms_per_layer"])

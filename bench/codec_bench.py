@@ -93,11 +93,14 @@ def raw_steps(checkpoint: str, device: str, streams: int, frames: int) -> None:
             dec.step(enc.step(pcm, active), active)
         times = {"encoder": 0.0, "decoder": 0.0}
         for _ in range(frames):
-            sync(); t0 = time.perf_counter()
+            sync()
+            t0 = time.perf_counter()
             codes = enc.step(pcm, active)
-            sync(); t1 = time.perf_counter()
+            sync()
+            t1 = time.perf_counter()
             dec.step(codes, active)
-            sync(); t2 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
             times["encoder"] += t1 - t0
             times["decoder"] += t2 - t1
     for stage, t in times.items():

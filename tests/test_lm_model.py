@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from services.common.checkpoint import CheckpointError
 from services.talker.model import LMConfig, LMModel
 
-import moshi.models.lm as moshi_lm  # noqa: E402  (test-only reference; `make test` installs it: never skip parity)
-from moshi.utils.compile import no_compile  # noqa: E402
+# moshi is the test-only reference; `make test` installs it, so a missing one fails here rather than skipping parity.
+from moshi.utils.compile import no_compile
 
-from tools.moshi_reference import moshi_lm_model  # noqa: E402
+from tools.moshi_reference import moshi_lm_model
 
 TINY = LMConfig.tiny()
 
