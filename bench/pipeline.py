@@ -14,7 +14,7 @@ Phases (each timed and printed):
    does not fit), the next smaller N of --sessions/--fallback-sessions is tried. Each stage's GPU
    memory (its CUDA memory gauges; none on the CPU) is read once they serve.
 4. for each N of --sessions, a fresh set of sessions: --client-procs load processes
-   (bench/pipeline_load.py) open N-K steady sessions (gateway Pipeline: voice + persona +
+   (bench/pipeline_load.py) open N-K steady sessions (gateway Relay: voice + persona +
    sampling), all admitted before one shared start, then one 1920-sample frame per session every
    80 ms on an absolute schedule for --duration-s, then a graceful close. From the same start, K =
    --probe-sessions probe slots measure time to first audio at full load: each opens a session,

@@ -2,7 +2,7 @@
 
     python -m bench.pipeline_load        (started by bench/pipeline.py; talks JSON lines)
 
-Each session is the gateway's own `Pipeline` (services/gateway/pipeline.py): an Encode, a Talk
+Each session is the gateway's own `Relay` (services/gateway/relay.py): an Encode, a Talk
 (voice + persona + sampling) and a Decode stream on one cell, with the gateway's pumps moving
 encoder codes to the talker and talker agent codes to the decoder. So the benchmark measures the
 serving path people use, minus the WebSocket.
@@ -57,7 +57,7 @@ from services.gateway.audio import FRAME_SAMPLES, SAMPLE_RATE
 from duplex.v1 import decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from services.gateway.cells import Cell
 from services.gateway.config import CellAddress
-from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError
+from services.gateway.relay import OpenParams, OutputFrame, Relay, RelayError
 
 log = logging.getLogger("bench.pipeline_load")
 
@@ -82,7 +82,7 @@ def synthetic_frames(seed: int) -> list[np.ndarray]:
 @dataclass
 class SessionRun:
     stream_id: str
-    pipeline: Pipeline | None = None
+    relay: Relay | None = None
     open_t: float = 0.0  # monotonic time the open call started
     slot_wait_s: float = 0.0  # probes: waiting for every stage to free a slot before the open
     open_s: float = 0.0
@@ -96,7 +96,7 @@ class SessionRun:
     def on_output(self, out: OutputFrame) -> None:
         self.recv.append((out.input_seq, time.monotonic()))
 
-    def on_error(self, err: PipelineError) -> None:
+    def on_error(self, err: RelayError) -> None:
         if self.error is None:
             self.error = {"code": err.code, "stage": err.stage, "message": err.message}
 
@@ -131,24 +131,24 @@ async def open_session(cell, run: SessionRun, cfg: dict, seed: int) -> None:
                         sampling=talker_pb2.Sampling(seed=seed))
     t = run.open_t = time.monotonic()
     try:
-        run.pipeline = await Pipeline.open_on(cell, params, open_timeout_s=cfg["open_timeout_s"],
+        run.relay = await Relay.open_on(cell, params, open_timeout_s=cfg["open_timeout_s"],
                                               stall_timeout_s=cfg["stall_timeout_s"],
                                               cleanup_timeout_s=cfg["cleanup_timeout_s"])
-    except PipelineError as e:
+    except RelayError as e:
         run.error = {"code": e.code, "stage": e.stage, "message": e.message}
         return
     except Exception as e:  # a timeout or transport error while opening
         run.error = {"code": "open_failed", "stage": None, "message": f"{type(e).__name__}: {e}"}
         return
     run.open_s = time.monotonic() - t
-    run.pipeline.on_output = run.on_output
-    run.pipeline.on_error = run.on_error
+    run.relay.on_output = run.on_output
+    run.relay.on_error = run.on_error
 
 
 async def drive(run: SessionRun, frames: list[np.ndarray], offset: int, n_frames: int, start_at: float,
                 period: float) -> None:
     """Send n_frames on the absolute schedule, then close gracefully (every queued frame comes out)."""
-    p = run.pipeline
+    p = run.relay
     anchor = start_at
     for i in range(n_frames):
         due = anchor + i * period
@@ -164,7 +164,7 @@ async def drive(run: SessionRun, frames: list[np.ndarray], offset: int, n_frames
         run.late.append(late)
         try:
             await p.send_frame(frames[(offset + i) % len(frames)])
-        except PipelineError as e:
+        except RelayError as e:
             run.on_error(e)
             run.send_t.pop()  # never reached the encoder
             run.late.pop()
@@ -229,7 +229,7 @@ async def probe_slot(cell, cfg: dict, probe_id: str, frames: list[np.ndarray], s
             if run.error is not None:
                 return  # no slot comes back: this probe slot ends
             await open_session(cell, run, cfg, seed=seed_of(run.stream_id))
-        if run.pipeline is None:  # refused or failed: recorded; a pause, not a tight retry loop
+        if run.relay is None:  # refused or failed: recorded; a pause, not a tight retry loop
             await asyncio.sleep(min(1.0, max(0.0, end_at - time.monotonic())))
         else:
             anchor = time.monotonic()  # the first frame goes out as soon as the session is ready
@@ -239,7 +239,7 @@ async def probe_slot(cell, cfg: dict, probe_id: str, frames: list[np.ndarray], s
 
 def probe_record(run: SessionRun, rel) -> dict:
     """One probe cycle for the result file; first_output_s is open call -> first decoded frame."""
-    p = run.pipeline
+    p = run.relay
     first = run.recv[0] if run.recv else None
     return {"stream_id": run.stream_id, "slot_wait_s": round(run.slot_wait_s, 4),
             "t_open": rel(run.open_t) if run.open_t else None, "open_s": round(run.open_s, 4) if p else None,
@@ -269,9 +269,9 @@ async def main() -> None:
     runs = [SessionRun(sid) for sid in cfg["stream_ids"]]
     # All of this process's steady sessions open at once, like simultaneous arrivals at a gateway.
     await asyncio.gather(*(open_session(cell, r, cfg, seed=seed_of(r.stream_id)) for r in runs))
-    live = [r for r in runs if r.pipeline is not None]
+    live = [r for r in runs if r.relay is not None]
     emit({"admitted": [r.stream_id for r in live],
-          "refused": [{"stream_id": r.stream_id, **r.error} for r in runs if r.pipeline is None]})
+          "refused": [{"stream_id": r.stream_id, **r.error} for r in runs if r.relay is None]})
 
     start_at = (await read_json_line())["start_at"]
     frames = synthetic_frames(seed=len(cfg["stream_ids"]))
@@ -292,9 +292,9 @@ async def main() -> None:
         return round(t - start_at, 6)
 
     result = {"start_at": start_at, "sessions": [{
-        "stream_id": r.stream_id, "admitted": r.pipeline is not None, "open_s": round(r.open_s, 4),
-        "prefill_ms": float(r.pipeline.ready.prefill_ms) if r.pipeline else None,
-        "output_delay_frames": r.pipeline.output_delay_frames if r.pipeline else None,
+        "stream_id": r.stream_id, "admitted": r.relay is not None, "open_s": round(r.open_s, 4),
+        "prefill_ms": float(r.relay.ready.prefill_ms) if r.relay else None,
+        "output_delay_frames": r.relay.output_delay_frames if r.relay else None,
         "send_t": [rel(t) for t in r.send_t], "late_s": [round(x, 6) for x in r.late], "reanchors": r.reanchors,
         "recv": [[s, rel(t)] for s, t in r.recv], "error": r.error, "cleanup_confirmed": r.cleanup_confirmed,
     } for r in runs], "probes": [probe_record(r, rel) for r in probes]}

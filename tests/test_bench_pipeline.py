@@ -1,7 +1,7 @@
 """bench/pipeline.py: its numbers on hand-made data, and the whole script on the CPU (--smoke).
 
 The smoke run is the real thing at toy size: three service processes on the tiny checkpoint,
-a load process driving two gateway Pipelines over real gRPC sockets, Prometheus scraped over HTTP.
+a load process driving two gateway Relays over real gRPC sockets, Prometheus scraped over HTTP.
 """
 
 from __future__ import annotations

@@ -603,7 +603,7 @@ def test_api_key_over_the_wire_header_subprotocol_and_client_secret(stack, feede
 # ---- one session's failure never touches another --------------------------------------------------
 
 async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny_checkpoint):
-    """Four sessions on one cell through the gateway's Pipeline (one shared link per stage): one
+    """Four sessions on one cell through the gateway's Relay (one shared link per stage): one
     floods its input past a stage's per-session bound (the incident's RESOURCE_EXHAUSTED), the
     other three are paced. The flooder fails alone, with its own typed talker error; the three keep
     getting frames (no error, no "RPC already finished"), close with confirmed cleanup, and every
@@ -611,7 +611,7 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
     from duplex.v1 import talker_pb2
     from services.gateway.cells import CellPool
     from services.gateway.config import GatewayConfig, parse_cells
-    from services.gateway.pipeline import OpenParams, open_on_cells
+    from services.gateway.relay import OpenParams, open_on_cells
 
     with Stack(tiny_checkpoint, sessions=4) as stack:
         pool = CellPool(GatewayConfig(cells=parse_cells(stack.cell_procs[0].spec)))

@@ -1,4 +1,4 @@
-"""Opening and releasing a session's pipeline, for both wires (Realtime and /api/chat).
+"""Opening and releasing a session's relay, for both wires (Realtime and /api/chat).
 
 A client that closes and at once reconnects (LiveKit's plugins reconnect to change the persona)
 races its own old session: the stages free the old slot only once its streams have ended. So when
@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Callable
 
-from services.gateway.pipeline import OpenParams, Pipeline, PipelineError, open_on_cells
+from services.gateway.relay import OpenParams, Relay, RelayError, open_on_cells
 
 log = logging.getLogger("gateway.admission")
 
@@ -20,13 +20,13 @@ log = logging.getLogger("gateway.admission")
 RETRY_LATER = ("resource_exhausted", "server_shutting_down")
 
 
-def admission_error(pool) -> PipelineError | None:
+def admission_error(pool) -> RelayError | None:
     """Why no session can be opened now, before trying any cell (None: some cell admits)."""
     state = pool.admission_state()
     if state == "down":
-        return PipelineError("runtime_open_failed", "no cell is serving (every cell has a stage down)")
+        return RelayError("runtime_open_failed", "no cell is serving (every cell has a stage down)")
     if state == "draining":
-        return PipelineError("server_shutting_down", "every cell is draining (shutting down): retry in a few seconds")
+        return RelayError("server_shutting_down", "every cell is draining (shutting down): retry in a few seconds")
     return None
 
 
@@ -58,8 +58,8 @@ class Releases:
         self._done = asyncio.Event()
 
 
-async def admit(ctx, make_params: Callable[[], OpenParams], prefer=None, wait: bool = True) -> Pipeline:
-    """Open a pipeline on the least loaded cell (`prefer` first). Raises PipelineError.
+async def admit(ctx, make_params: Callable[[], OpenParams], prefer=None, wait: bool = True) -> Relay:
+    """Open a relay on the least loaded cell (`prefer` first). Raises RelayError.
     `wait=False`: a full pool is refused at once (the caller has a slot it can give up instead)."""
     cfg = ctx.config
     if (refusal := admission_error(ctx.pool)) is not None:
@@ -74,7 +74,7 @@ async def admit(ctx, make_params: Callable[[], OpenParams], prefer=None, wait: b
         try:
             return await open_on_cells(cells, make_params, open_timeout_s=cfg.open_timeout_s,
                                        stall_timeout_s=cfg.stall_timeout_s, cleanup_timeout_s=cfg.cleanup_timeout_s)
-        except PipelineError as e:
+        except RelayError as e:
             left = deadline - loop.time()
             if e.code != "resource_exhausted" or not wait or left <= 0:
                 raise
@@ -89,8 +89,8 @@ async def admit(ctx, make_params: Callable[[], OpenParams], prefer=None, wait: b
                 raise
 
 
-async def release(ctx, p: Pipeline, graceful: bool) -> bool:
-    """End a pipeline's streams (graceful: its queued frames still come out). True when confirmed."""
+async def release(ctx, p: Relay, graceful: bool) -> bool:
+    """End a relay's streams (graceful: its queued frames still come out). True when confirmed."""
     ctx.releases.started()
     try:
         confirmed = await (p.close() if graceful else p.abort())

@@ -3,7 +3,7 @@
 A cell is one (encoder, talker, decoder) triple, usually one GPU. The pool keeps
 one gRPC channel per stage address, polls every stage's GetCapacity about every
 0.5 s, and answers `candidates()`: the serving, non-draining cells with a free
-slot, least loaded first. The pipeline tries them in that order; a session's
+slot, least loaded first. The relay tries them in that order; a session's
 three streams always go to one cell.
 """
 
@@ -53,7 +53,7 @@ class Cell:
     live_sessions: int = 0
     last_poll_ok: float = 0.0
     last_error: dict = field(default_factory=dict)  # stage -> why its last poll failed (logged on change)
-    link: object = None  # this process's pipeline.CellLink to the cell, made on the first session
+    link: object = None  # this process's relay.CellLink to the cell, made on the first session
 
     @property
     def name(self) -> str:

@@ -11,7 +11,7 @@ refusal is an HTTP status a client can act on, never a socket that opens and the
 400 for what retrying cannot fix (bad query, unknown voice, persona the model cannot take),
 503 with Retry-After when every cell is full, draining or down.
 The session's audio is regrouped into 1920-sample frames exactly as on the Realtime wire and
-goes through the same pipeline.
+goes through the same relay.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from duplex.v1 import talker_pb2
 from services.gateway import audio
 from services.gateway.admission import admit, release
 from services.gateway.bounded import OutputQueue
-from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError
+from services.gateway.relay import OpenParams, OutputFrame, Relay, RelayError
 from services.gateway.realtime import LOGGED_CLIENT_ERRORS, ClientError, resolve_voice
 
 log = logging.getLogger("gateway.native")
@@ -54,7 +54,7 @@ class Refusal:
 @dataclass
 class _Admitted:
     session_id: str
-    pipeline: Pipeline
+    relay: Relay
     claimed: bool = False
 
 
@@ -69,7 +69,7 @@ def _in_background(coro) -> None:
 
 
 async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -> Refusal | None:
-    """Validate the query and open the session's pipeline while the HTTP upgrade waits."""
+    """Validate the query and open the session's relay while the HTTP upgrade waits."""
     cfg = ctx.config
     session_id = "chat_" + secrets.token_hex(8)
     persona = query.get("text_prompt", cfg.default_instructions)
@@ -87,18 +87,18 @@ async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -
     params = lambda: OpenParams(f"{session_id}.{secrets.token_hex(4)}", voice, persona, sampling, voice_audio)  # noqa: E731
     opening = asyncio.ensure_future(admit(ctx, params))
     try:
-        pipeline = await asyncio.shield(opening)
+        relay = await asyncio.shield(opening)
     except asyncio.CancelledError:  # the upgrade timed out or the server stops: release what opens later
         opening.add_done_callback(lambda t: t.cancelled() or t.exception()
                                   or _in_background(release(ctx, t.result(), graceful=False)))
         raise
-    except PipelineError as e:
+    except RelayError as e:
         error = {"type": e.error_type, "code": e.code, "message": e.message}
         if e.client_fault:
             return _refused(ctx, session_id, Refusal(400, error))
         retry = RETRY_AFTER_FULL_S if e.code == "resource_exhausted" else RETRY_AFTER_DOWN_S
         return _refused(ctx, session_id, Refusal(503, error, retry))
-    admitted = _Admitted(session_id, pipeline)
+    admitted = _Admitted(session_id, relay)
     setattr(conn, _ADMITTED_ATTR, admitted)
     _in_background(_release_if_unclaimed(ctx, conn, admitted))
     return None
@@ -119,7 +119,7 @@ async def _release_if_unclaimed(ctx, conn: ServerConnection, admitted: _Admitted
     if not admitted.claimed:
         admitted.claimed = True
         log.info("chat %s: the client left before the session started; releasing", admitted.session_id)
-        await release(ctx, admitted.pipeline, graceful=False)
+        await release(ctx, admitted.relay, graceful=False)
 
 
 class NativeSession:
@@ -135,7 +135,7 @@ class NativeSession:
         self._granule: int | None = 0  # the input stream's last Ogg granule position (None: unknown)
         self._opus_out = sphn.OpusStreamWriter(audio.SAMPLE_RATE)
         self._assembler = audio.FrameAssembler()
-        self._pipeline = None
+        self._relay = None
         self._client_errors = 0
         self._audio_at = time.monotonic()
 
@@ -155,7 +155,7 @@ class NativeSession:
             await self.ws.close(1011, "session was not admitted")
             return
         self._admitted.claimed = True
-        p = self._pipeline = self._admitted.pipeline
+        p = self._relay = self._admitted.relay
         p.on_output = self._on_output
         p.on_error = self._on_error
         self.ctx.metrics.sessions_opened.labels("native").inc()
@@ -219,8 +219,8 @@ class NativeSession:
                 continue
             for frame in self._assembler.push(np.asarray(pcm, dtype=np.float32)):
                 try:
-                    await self._pipeline.send_frame(frame)
-                except PipelineError:
+                    await self._relay.send_frame(frame)
+                except RelayError:
                     return
                 self.ctx.metrics.frames_in.inc()
 
@@ -262,7 +262,7 @@ class NativeSession:
         self.ctx.metrics.frames_out.inc()
         self.ctx.metrics.frame_latency.observe(f.latency_s)
 
-    def _on_error(self, err: PipelineError) -> None:
+    def _on_error(self, err: RelayError) -> None:
         self._error(err.code, err.message, err.error_type)
         self._close = (1011, err.code)
         self._ended.set()

@@ -4,7 +4,7 @@ One WebSocket = one session = one continuous stream of model output, shown to th
 responses (conversation.py): one open from the first accepted audio on; response.cancel or a
 truncate of its item ends it early (its unsent audio dropped) and the next opens at once. The pure
 parts (session.update parsing, capabilities, event shapes) are module functions; `RealtimeSession`
-runs one connection: a reader (client events), the pipeline's callbacks (output frames, stage
+runs one connection: a reader (client events), the relay's callbacks (output frames, stage
 errors) and a writer task that drains a bounded queue to the socket.
 
 Ordering rules kept here:
@@ -36,7 +36,7 @@ from services.gateway.admission import RETRY_LATER, admit, release
 from services.gateway.bounded import OutputQueue, RecentIds, brief
 from services.gateway.config import DEFAULT_VOICE_ALIASES
 from services.gateway.conversation import Conversation, client_message_content, new_id
-from services.gateway.pipeline import OpenParams, OutputFrame, Pipeline, PipelineError
+from services.gateway.relay import OpenParams, OutputFrame, Relay, RelayError
 
 log = logging.getLogger("gateway.realtime")
 DEFAULT_ALIASES = dict(DEFAULT_VOICE_ALIASES)
@@ -290,7 +290,7 @@ def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> 
 @dataclass
 class _State:
     settings: SessionSettings
-    pipeline: Pipeline | None = None
+    relay: Relay | None = None
     audio_started: bool = False
     closing: bool = False
     frames_out: int = 0
@@ -409,7 +409,7 @@ class RealtimeSession:
             await asyncio.sleep(min(1.0, min(limits) / 4))
             if self._opening:
                 continue
-            if self.st.pipeline is None:
+            if self.st.relay is None:
                 limit, what = self.cfg.idle_connection_timeout_s, "no session was opened"
             else:
                 limit, what = self.cfg.idle_session_timeout_s, "no audio was appended"
@@ -420,7 +420,7 @@ class RealtimeSession:
     async def _end_idle(self, why: str) -> None:
         self.st.closing = True
         self.emit_error("invalid_request_error", "idle_timeout", f"{why}: the connection is closed")
-        if self.st.pipeline is not None:
+        if self.st.relay is not None:
             await self._release(graceful=False)
             self._emit_done_and_closed("cancelled")
         self._close_code, self._close_reason = 1008, "idle timeout"
@@ -448,8 +448,8 @@ class RealtimeSession:
             await handler(event)
         except ClientError as e:
             self.emit_error(e.type, e.code, e.message, client_event_id, e.param)
-        except PipelineError:
-            pass  # already reported through the pipeline's on_error
+        except RelayError:
+            pass  # already reported through the relay's on_error
 
     def _handlers(self):
         def refuse(feature, why):
@@ -486,7 +486,7 @@ class RealtimeSession:
         pcm = {"type": "audio/pcm", "rate": audio.SAMPLE_RATE}
         # GA has no float input format: a pcm_f32le session shows it in input_audio_format only.
         audio_in = {"format": pcm} if s.input_format == audio.PCM16 else {}
-        p = self.st.pipeline
+        p = self.st.relay
         return {
             "object": "realtime.session",
             "type": "realtime",
@@ -518,23 +518,23 @@ class RealtimeSession:
         if settings.requested_id:
             self.session_id = settings.requested_id
         try:
-            pipeline = await self._open_pipeline(settings)
-        except PipelineError as e:
+            relay = await self._open_relay(settings)
+        except RelayError as e:
             self.ctx.metrics.sessions_refused.labels("realtime", e.code).inc()
             self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
             if not e.client_fault:
                 self._end_refused(e)
             return False
         self.st.settings = settings
-        self._adopt(pipeline)
+        self._adopt(relay)
         self.ctx.metrics.sessions_opened.labels("realtime").inc()
-        log.info("session %s open on cell %s (voice=%r, prefill %d frames in %.0f ms)", self.session_id, pipeline.cell.name,
-                 settings.voice, pipeline.ready.prefill_frames, pipeline.ready.prefill_ms)
+        log.info("session %s open on cell %s (voice=%r, prefill %d frames in %.0f ms)", self.session_id, relay.cell.name,
+                 settings.voice, relay.ready.prefill_frames, relay.ready.prefill_ms)
         self.emit({"type": "session.created", "session": self._session_object()})
         self.emit({"type": "session.updated", "session": self._session_object()})
         return True
 
-    async def _open_pipeline(self, settings: SessionSettings, prefer=None, wait: bool = True) -> Pipeline:
+    async def _open_relay(self, settings: SessionSettings, prefer=None, wait: bool = True) -> Relay:
         self._opening += 1
         try:
             voice, audio = await asyncio.to_thread(self.ctx.voices.for_open, settings.voice)  # enrolled: ships its audio
@@ -544,15 +544,15 @@ class RealtimeSession:
         finally:
             self._opening -= 1
 
-    def _adopt(self, p: Pipeline) -> None:
+    def _adopt(self, p: Relay) -> None:
         """The session holds `p` now: it counts in the active gauge until `_retire` or `_release` lets it go."""
         p.on_output = self._on_output
-        p.on_error = self._on_pipeline_error
-        self.st.pipeline = p
+        p.on_error = self._on_relay_error
+        self.st.relay = p
         self._audio_at = time.monotonic()  # the no-audio clock starts at open
         self.ctx.metrics.sessions_active.labels("realtime").inc()
 
-    def _end_refused(self, e: PipelineError) -> None:
+    def _end_refused(self, e: RelayError) -> None:
         """No session after a refusal that is not the client's fault: close (1013 = retry later)."""
         self._close_code, self._close_reason = (1013, "try again later") if e.code in RETRY_LATER else (1011, "runtime open failed")
         self._ended.set()
@@ -563,7 +563,7 @@ class RealtimeSession:
         new = parse_session_update(event.get("session"), self.st.settings, self.cfg.max_instructions_chars,
                                    self.voice_aliases, self.ctx.voices.is_enrolled)
         client_event_id = event["event_id"] if isinstance(event.get("event_id"), str) else None
-        if self.st.pipeline is None:
+        if self.st.relay is None:
             await self._open(new, client_event_id)
             return
         old = self.st.settings
@@ -584,15 +584,15 @@ class RealtimeSession:
           before they take a slot, so this is tried beside the old session first;
         - a clearly closed session (session.closed, close 1013 or 1011) when every cell was full:
           the old slot is given up for the new settings, and another client may take it first."""
-        cell = self.st.pipeline.cell
+        cell = self.st.relay.cell
         try:
-            p = await self._open_pipeline(new, prefer=cell, wait=False)
-        except PipelineError as e:
+            p = await self._open_relay(new, prefer=cell, wait=False)
+        except RelayError as e:
             if e.code != "resource_exhausted":
                 self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
                 return False
             p = None
-        if self.st.closing:  # the old pipeline failed meanwhile: the session is ending, the new one is not wanted
+        if self.st.closing:  # the old relay failed meanwhile: the session is ending, the new one is not wanted
             if p is not None:
                 await p.abort()
             return False
@@ -601,9 +601,9 @@ class RealtimeSession:
             self._adopt(p)
             return True
         try:  # the cell was full: its slot is ours again only if nobody takes it first
-            self._adopt(await self._open_pipeline(new, prefer=cell))
+            self._adopt(await self._open_relay(new, prefer=cell))
             return True
-        except PipelineError as e:
+        except RelayError as e:
             self.emit_error(e.error_type, e.code, e.message, client_event_id, param="session" if e.client_fault else None)
             self.st.closing = True
             self._emit_done_and_closed("failed")
@@ -611,8 +611,8 @@ class RealtimeSession:
             return False
 
     async def _retire(self) -> None:
-        """Let the current pipeline go (before a reopen)."""
-        p, self.st.pipeline = self.st.pipeline, None
+        """Let the current relay go (before a reopen)."""
+        p, self.st.relay = self.st.relay, None
         try:
             await release(self.ctx, p, graceful=False)
         finally:
@@ -628,7 +628,7 @@ class RealtimeSession:
 
     async def _on_append(self, event: dict) -> None:
         self._audio_at = time.monotonic()  # a live client, even if this packet is refused
-        p = self.st.pipeline
+        p = self.st.relay
         if p is None:
             raise ClientError("session_not_started", "send session.update (or connect with ?model=) before appending audio", "type")
         if self.st.closing:
@@ -766,7 +766,7 @@ class RealtimeSession:
         self.ctx.metrics.frames_out.inc()
         self.ctx.metrics.frame_latency.observe(f.latency_s)
 
-    def _on_pipeline_error(self, err: PipelineError) -> None:
+    def _on_relay_error(self, err: RelayError) -> None:
         # Called from a pump task: report now (within the second), clean up in the background.
         if self._ended.is_set() or self.st.closing:
             return
@@ -778,7 +778,7 @@ class RealtimeSession:
     async def _end_after_failure(self) -> None:
         self.st.closing = True
         await self._release(graceful=False)
-        err = self.st.pipeline.failed if self.st.pipeline else None
+        err = self.st.relay.failed if self.st.relay else None
         self._emit_done_and_closed("failed", {"type": err.error_type, "code": err.code} if err else None)
         self._close_code, self._close_reason = 1011, "stage failure"
         self._ended.set()
@@ -789,14 +789,14 @@ class RealtimeSession:
         if self.st.closing:
             return
         self.st.closing = True
-        p = self.st.pipeline
+        p = self.st.relay
         if p is not None and p.failed is None:
             last = self._assembler.flush()
             if last is not None:
                 try:
                     await p.send_frame(last)
                     self.ctx.metrics.frames_in.inc()
-                except PipelineError:
+                except RelayError:
                     pass
         await self._release(graceful=True)
         if p is not None and p.failed is not None:
@@ -808,12 +808,12 @@ class RealtimeSession:
         self._ended.set()
 
     def _emit_done_and_closed(self, status: str, error: dict | None = None) -> None:
-        if self.st.pipeline is not None and self.conv is None:  # opened, no audio yet: an empty response
+        if self.st.relay is not None and self.conv is None:  # opened, no audio yet: an empty response
             self.conv = Conversation(self.session_id, legacy=self.st.settings.legacy_event_names)
             self._start_response()
         if self.conv is not None and self.conv.current is not None:
             self._finish_response(status, error)
-        p = self.st.pipeline
+        p = self.st.relay
         self.emit({"type": "session.closed", "session_id": self.session_id, "frames_in": p.frames_in if p else 0,
                    "frames_out": self.st.frames_out, "cleanup_confirmed": self._cleanup_confirmed,
                    "frame_latency": p.latency_summary() if p else {"frames": 0}})
@@ -822,14 +822,14 @@ class RealtimeSession:
     _release_task: asyncio.Future | None = None
 
     async def _release(self, graceful: bool) -> None:
-        """End the pipeline's streams, once, however many paths (close, drop, failure) ask."""
-        if self.st.pipeline is None:
+        """End the relay's streams, once, however many paths (close, drop, failure) ask."""
+        if self.st.relay is None:
             return
         if self._release_task is None:
-            self._release_task = asyncio.ensure_future(self._release_once(self.st.pipeline, graceful))
+            self._release_task = asyncio.ensure_future(self._release_once(self.st.relay, graceful))
         await asyncio.shield(self._release_task)
 
-    async def _release_once(self, p: Pipeline, graceful: bool) -> None:
+    async def _release_once(self, p: Relay, graceful: bool) -> None:
         self._cleanup_confirmed = await release(self.ctx, p, graceful)
         self.ctx.metrics.sessions_active.labels("realtime").dec()
         log.info("session %s released (frames in %d, out %d, latency %s, cleanup %s)", self.session_id, p.frames_in, p.frames_out,

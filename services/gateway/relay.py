@@ -1,4 +1,4 @@
-"""Sessions on cells: one session's frames through its cell's encoder -> talker -> decoder.
+"""The gateway's relay to a cell: one session's frames through the encoder -> talker -> decoder.
 
     client frame --send_frame--> encoder --codes--> talker --output--> decoder --pcm--> on_output
 
@@ -11,16 +11,16 @@ message that arrives anyway, and the stages stay independent processes that know
 neighbours' contract (direct stage-to-stage feeding would save one loop turn per hop, and couple the
 stages' failure handling).
 
-Lifecycle of a session (a Pipeline):
+Lifecycle of a session (a Relay):
 - `open_on_cells` sends the session's three opens on the cell's links; if any stage refuses, the
   stages that did open get an end and are waited for (nothing is half-opened), then the next cell is
-  tried. All full -> PipelineError("resource_exhausted").
+  tried. All full -> RelayError("resource_exhausted").
 - `close()` (client close): the encoder gets an end; each stage's OK status ends the next stage's
   input, so every queued frame still comes out; all three must end OK within `cleanup_timeout_s`.
 - `abort()` (socket drop, stage failure, slow client): every stage still open gets an end now and is
   waited for (bounded); one that does not confirm in time is cancelled, logged and counted.
 - A stage's error status, a broken link, or no progress for `stall_timeout_s` while output is due
-  fails the session once through `on_error` with a typed PipelineError. A link that breaks fails
+  fails the session once through `on_error` with a typed RelayError. A link that breaks fails
   only the sessions on it; the next open builds a new one.
 """
 
@@ -39,7 +39,7 @@ from duplex.v1 import common_pb2, decoder_pb2, encoder_pb2, talker_pb2
 from services.gateway.audio import FRAME_SAMPLES, f32_frame_bytes, f32_from_frame_bytes
 from services.gateway.cells import STAGES, Cell
 
-log = logging.getLogger("gateway.pipeline")
+log = logging.getLogger("gateway.relay")
 
 _REQUESTS = {"encoder": encoder_pb2.EncodeRequest, "talker": talker_pb2.TalkRequest, "decoder": decoder_pb2.DecodeRequest}
 _LINK_REQUESTS = {"encoder": encoder_pb2.EncodeLinkRequest, "talker": talker_pb2.TalkLinkRequest,
@@ -61,7 +61,7 @@ OUTBOX_LIMIT_BYTES = 2 * OUTBOX_BYTES
 WATCH_PERIOD_S = 0.25
 
 
-class PipelineError(Exception):
+class RelayError(Exception):
     """A typed failure. `code` is the wire error code; `client_fault` picks invalid_request_error."""
 
     def __init__(self, code: str, message: str, stage: str | None = None, client_fault: bool = False):
@@ -224,7 +224,7 @@ class CellLink:
 
     def __init__(self, cell: Cell):
         self.cell = cell
-        self.sessions: dict[str, Pipeline] = {}
+        self.sessions: dict[str, Relay] = {}
         self.links = {s: StageLink(cell, s, self._on_entry, self._on_lost) for s in STAGES}
         self.broken: str | None = None
         self._watch = asyncio.create_task(self._watchdog(), name=f"link-{cell.name}-watch")
@@ -252,7 +252,7 @@ class CellLink:
         if not self.sessions:
             asyncio.ensure_future(self.close())
 
-    def _forget(self, p: "Pipeline") -> None:
+    def _forget(self, p: "Relay") -> None:
         if self.sessions.get(p.params.stream_id) is p:
             del self.sessions[p.params.stream_id]
         if self.broken is not None and not self.sessions:
@@ -274,7 +274,7 @@ class CellLink:
 
 # ---- one session --------------------------------------------------------------------------------
 
-class Pipeline:
+class Relay:
     def __init__(self, cell: Cell, link: CellLink, params: OpenParams, stall_timeout_s: float, cleanup_timeout_s: float):
         self.cell = cell
         self.params = params
@@ -283,7 +283,7 @@ class Pipeline:
         self._stall_timeout_s = stall_timeout_s
         self._cleanup_timeout_s = cleanup_timeout_s
         self.on_output: Callable[[OutputFrame], None] = lambda f: None
-        self.on_error: Callable[[PipelineError], None] = lambda e: None
+        self.on_error: Callable[[RelayError], None] = lambda e: None
         self.frames_in = 0
         self.frames_out = 0
         self.latencies: list[float] = []  # per output frame, seconds (for the session's summary)
@@ -292,7 +292,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         self._opened = {s: loop.create_future() for s in STAGES}  # the stage's open answer, or StageEnd
         self._ended = {s: loop.create_future() for s in STAGES}  # the stage's StageEnd
-        self._failed: PipelineError | None = None
+        self._failed: RelayError | None = None
         self._closing = False
         self._aborting = False  # abort() runs: nothing is forwarded any more
         self._settled = asyncio.Event()  # the decoder ended, or the session failed: close() waits no more
@@ -313,17 +313,17 @@ class Pipeline:
                 "max_ms": round(float(ms.max()), 1)}
 
     @property
-    def failed(self) -> PipelineError | None:
+    def failed(self) -> RelayError | None:
         return self._failed
 
     # ---- open -------------------------------------------------------------
 
     @classmethod
     async def open_on(cls, cell: Cell, params: OpenParams, *, open_timeout_s: float, stall_timeout_s: float,
-                      cleanup_timeout_s: float) -> "Pipeline":
+                      cleanup_timeout_s: float) -> "Relay":
         link = CellLink.of(cell)
         if params.stream_id in link.sessions:
-            raise PipelineError("runtime_open_failed", f"stream id {params.stream_id!r} is already live on cell {cell.name}")
+            raise RelayError("runtime_open_failed", f"stream id {params.stream_id!r} is already live on cell {cell.name}")
         p = cls(cell, link, params, stall_timeout_s, cleanup_timeout_s)
         link.sessions[params.stream_id] = p
         opens = {
@@ -406,13 +406,13 @@ class Pipeline:
                 self._send("decoder", request=decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes)))
             else:
                 self._on_pcm(resp.pcm)
-        except PipelineError as e:
+        except RelayError as e:
             self._fail(e)
 
     def _on_pcm(self, pcm) -> None:
         input_seq, text = self._text.pop(pcm.seq, (None, ""))
         if input_seq is None:
-            raise PipelineError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced", "decoder")
+            raise RelayError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced", "decoder")
         now = self._last_output_at = time.monotonic()
         sent = self._sent_at.get(input_seq, now)
         for s in [s for s in self._sent_at if s <= input_seq]:
@@ -431,9 +431,9 @@ class Pipeline:
             return
         if not end.ok:
             if not self._aborting:
-                self._fail(PipelineError("runtime_stream_failed", f"{stage} ended the stream: {end.describe()}", stage))
+                self._fail(RelayError("runtime_stream_failed", f"{stage} ended the stream: {end.describe()}", stage))
         elif not self._closing:
-            self._fail(PipelineError("runtime_stream_failed", f"{stage} ended the stream before the session closed", stage))
+            self._fail(RelayError("runtime_stream_failed", f"{stage} ended the stream before the session closed", stage))
         elif not self._aborting:
             # A graceful close: each stage's end ends the next stage's input, after its last frame.
             if stage == "encoder":
@@ -459,11 +459,11 @@ class Pipeline:
             return
         waiting = now - max(self._last_output_at, min(due))
         if waiting > self._stall_timeout_s:
-            self._fail(PipelineError("stage_stalled", f"no output for {waiting:.1f}s while {len(due)} frame(s) are due"))
+            self._fail(RelayError("stage_stalled", f"no output for {waiting:.1f}s while {len(due)} frame(s) are due"))
 
     # ---- failure and close -------------------------------------------------
 
-    def _fail(self, err: PipelineError) -> None:
+    def _fail(self, err: RelayError) -> None:
         if self._failed is not None:
             return
         self._failed = err
@@ -533,10 +533,10 @@ def _never_opened(why) -> bool:
     return isinstance(why, StageEnd) and why.kind == "not_opened"
 
 
-def _open_outcome(fut: asyncio.Future) -> StageEnd | PipelineError | None:
+def _open_outcome(fut: asyncio.Future) -> StageEnd | RelayError | None:
     """Why a stage did not open the session (None: it did)."""
     if not fut.done():
-        return PipelineError("runtime_open_failed", "no answer to the open in time")
+        return RelayError("runtime_open_failed", "no answer to the open in time")
     result = fut.result()
     return result if isinstance(result, StageEnd) else None
 
@@ -545,31 +545,31 @@ def _open_outcome(fut: asyncio.Future) -> StageEnd | PipelineError | None:
 _TALKER_REFUSALS = {"bad_voice": "invalid_voice", "bad_persona": "invalid_instructions", "bad_sampling": "invalid_sampling"}
 
 
-def _open_failure(cell: Cell, failures: dict[str, StageEnd | PipelineError]) -> PipelineError:
+def _open_failure(cell: Cell, failures: dict[str, StageEnd | RelayError]) -> RelayError:
     for stage, end in failures.items():
         if stage == "talker" and isinstance(end, StageEnd) and end.code == grpc.StatusCode.INVALID_ARGUMENT:
             which = _TALKER_REFUSALS.get(end.kind, "invalid_instructions")
-            return PipelineError(which, end.details or "talker refused the session settings", stage, client_fault=True)
+            return RelayError(which, end.details or "talker refused the session settings", stage, client_fault=True)
     # Not a client fault: RESOURCE_EXHAUSTED anywhere means full; anything else is a stage problem.
     if any(isinstance(e, StageEnd) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures.values()):
-        return PipelineError("resource_exhausted", f"cell {cell.name} has no free slot", None)
+        return RelayError("resource_exhausted", f"cell {cell.name} has no free slot", None)
     stage, end = next(iter(failures.items()))
     why = end.describe() if isinstance(end, StageEnd) else end.message
-    return PipelineError("runtime_open_failed", f"{stage} did not open the stream: {why}", stage)
+    return RelayError("runtime_open_failed", f"{stage} did not open the stream: {why}", stage)
 
 
 async def open_on_cells(cells: list[Cell], make_params: Callable[[], OpenParams], *, open_timeout_s: float,
-                        stall_timeout_s: float, cleanup_timeout_s: float) -> Pipeline:
+                        stall_timeout_s: float, cleanup_timeout_s: float) -> Relay:
     """Admit a session on the first cell (least loaded first) whose three stages all accept it."""
     if not cells:
-        raise PipelineError("resource_exhausted", "no cell has a free session slot", None)
-    errors: list[PipelineError] = []
+        raise RelayError("resource_exhausted", "no cell has a free session slot", None)
+    errors: list[RelayError] = []
     for cell in cells:
         cell.admitted_since_poll += 1
         try:
-            return await Pipeline.open_on(cell, make_params(), open_timeout_s=open_timeout_s,
+            return await Relay.open_on(cell, make_params(), open_timeout_s=open_timeout_s,
                                           stall_timeout_s=stall_timeout_s, cleanup_timeout_s=cleanup_timeout_s)
-        except PipelineError as e:
+        except RelayError as e:
             cell.admitted_since_poll -= 1
             if e.client_fault:
                 raise
