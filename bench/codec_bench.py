@@ -70,8 +70,10 @@ async def run(enc_p, dec_p, streams: int, frames: int) -> None:
         steps = d["duplex_stage_step_seconds_count"]
         r = np.array(rtts[stage]) * 1000
         print(
-            f"{stage:8s} streams={streams:3d} steps={steps:5.0f} mean_step={1000 * d['duplex_stage_step_seconds_sum'] / steps:7.2f} ms "
-            f"mean_batch={d['duplex_stage_batch_size_sum'] / steps:5.1f} rtt_p50={np.percentile(r, 50):6.2f} ms rtt_p99={np.percentile(r, 99):6.2f} ms",
+            f"{stage:8s} streams={streams:3d} steps={steps:5.0f} "
+            f"mean_step={1000 * d['duplex_stage_step_seconds_sum'] / steps:7.2f} ms "
+            f"mean_batch={d['duplex_stage_batch_size_sum'] / steps:5.1f} rtt_p50={np.percentile(r, 50):6.2f} ms "
+            f"rtt_p99={np.percentile(r, 99):6.2f} ms",
             flush=True,
         )
 
@@ -104,7 +106,8 @@ def raw_steps(checkpoint: str, device: str, streams: int, frames: int) -> None:
             times["encoder"] += t1 - t0
             times["decoder"] += t2 - t1
     for stage, t in times.items():
-        print(f"{stage:8s} streams={streams:3d} raw codec step (in-process, no gRPC) {1000 * t / frames:7.2f} ms", flush=True)
+        print(f"{stage:8s} streams={streams:3d} raw codec step (in-process, no gRPC) {1000 * t / frames:7.2f} ms",
+              flush=True)
 
 
 def main() -> None:

@@ -3,10 +3,11 @@
     python -m bench.gil_switch [--ops 20] [--repeats 40] [--out bench/results]
 
 A stage's compute thread makes a dozen or so torch calls per step; each releases the GIL and takes
-it back (modelled by 192x192 matmuls, long enough for the other thread to take the GIL). The loop thread serving the gRPC streams is modelled by a thread running pure Python. For
-each switch interval: the time of `--ops` small torch calls on the compute thread (p50, p99), and
-how much Python work the busy thread got done meanwhile (relative to the 5 ms default), which is
-what a shorter interval costs the loop. Prints a table, writes gil_switch.json. CPU only.
+it back (modelled by 192x192 matmuls, long enough for the other thread to take the GIL). The loop
+thread serving the gRPC streams is modelled by a thread running pure Python. For each switch
+interval: the time of `--ops` small torch calls on the compute thread (p50, p99), and how much
+Python work the busy thread got done meanwhile (relative to the 5 ms default), which is what a
+shorter interval costs the loop. Prints a table, writes gil_switch.json. CPU only.
 """
 
 from __future__ import annotations
@@ -75,10 +76,13 @@ def main() -> int:
     print(f"{'switch ms':>10} {f'{args.ops} ops p50':>14} {'p99':>9} {'busy thread work':>17}")
     for r in rows:
         r["busy_thread_work_rel"] = r["busy_thread_work_per_s"] / base
-        print(f"{r['interval_ms']:>10.1f} {r['ops_p50_ms']:>11.2f} ms {r['ops_p99_ms']:>6.2f} ms {r['busy_thread_work_rel']:>16.2f}x")
+        print(f"{r['interval_ms']:>10.1f} {r['ops_p50_ms']:>11.2f} ms {r['ops_p99_ms']:>6.2f} ms "
+              f"{r['busy_thread_work_rel']:>16.2f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gil_switch.json").write_text(json.dumps({"ops": args.ops, "repeats": args.repeats, "alone": alone, "rows": rows}, indent=1) + "\n")
+    result = {"ops": args.ops, "repeats": args.repeats, "alone": alone, "rows": rows}
+    (out / "gil_switch.json").write_text(json.dumps(result, indent=1) + "\n")
+
     print(f"wrote {out / 'gil_switch.json'}")
     return 0
 

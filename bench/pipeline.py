@@ -154,7 +154,8 @@ def parse_args(argv: list[str] | None, cls=None, smoke: dict | None = None, prog
     """Flags for every field of `cls` (BenchConfig or a subclass); --smoke starts from `smoke`."""
     cls = cls or BenchConfig
     smoke = SMOKE if smoke is None else smoke
-    ap = argparse.ArgumentParser(prog=prog, description=doc or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=doc or __doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -231,7 +232,8 @@ class Mps:
         self.exe = shutil.which("nvidia-cuda-mps-control")
         # Short: the pipe dir holds a Unix socket, whose path must stay under ~100 characters.
         self.root = Path(tempfile.mkdtemp(prefix="pmps-", dir="/tmp" if os.path.isdir("/tmp") else None))
-        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(self.root / "log")}
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.root / "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": str(self.root / "log")}
         self.started = False
 
     def _run(self, args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -245,7 +247,8 @@ class Mps:
             Path(d).mkdir(parents=True)
         r = self._run(["-d"])
         if r.returncode != 0:
-            raise SystemExit(f"nvidia-cuda-mps-control -d failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+            raise SystemExit(f"nvidia-cuda-mps-control -d failed ({r.returncode}): "
+                             f"{r.stderr.strip() or r.stdout.strip()}")
         self.started = True
         os.environ.update(self.env)
 
@@ -317,7 +320,8 @@ def gpu_profile_args(path: Path = GPU_PROFILE) -> dict[str, list[str]]:
             key, _, value = literal.partition("=")
             stage, _, field = key.partition("_")
             if stage.lower() in args and field not in SET_PER_RUN:
-                args[stage.lower()] += ["--" + field.lower().replace("_", "-"), {"1": "true", "0": "false"}.get(value, value)]
+                args[stage.lower()] += ["--" + field.lower().replace("_", "-"),
+                                        {"1": "true", "0": "false"}.get(value, value)]
     return args
 
 
@@ -333,9 +337,10 @@ def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, li
     if cfg.full_context:
         talker += ["--bench-full-context", "true"]
     codec = ["--threads", "1"]
-    return {"encoder": common + codec + profile["encoder"] + shlex.split(cfg.codec_args) + shlex.split(cfg.encoder_args),
+    codec_args = shlex.split(cfg.codec_args)
+    return {"encoder": common + codec + profile["encoder"] + codec_args + shlex.split(cfg.encoder_args),
             "talker": common + profile["talker"] + talker + shlex.split(cfg.talker_args),
-            "decoder": common + codec + profile["decoder"] + shlex.split(cfg.codec_args) + shlex.split(cfg.decoder_args)}
+            "decoder": common + codec + profile["decoder"] + codec_args + shlex.split(cfg.decoder_args)}
 
 
 def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict[str, ServiceProcess], dict]:
@@ -500,10 +505,12 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
         t0 = time.monotonic()
         for i, lp in enumerate(loaders):
             await lp.send({"cell": [procs[s].address for s in STAGES], "stream_ids": shares[i],
-                           "probe_ids": probe_shares[i], "offsets_s": offsets[i], "voice": cfg.voice, "persona": cfg.persona,
+                           "probe_ids": probe_shares[i], "offsets_s": offsets[i], "voice": cfg.voice,
+                           "persona": cfg.persona,
                            "frames": frames, "period_s": FRAME_PERIOD_S, "probe_cycle_s": cfg.probe_cycle_s,
                            "open_timeout_s": cfg.open_timeout_s, "stall_timeout_s": cfg.stall_timeout_s,
-                           "cleanup_timeout_s": cfg.cleanup_timeout_s, "result_path": str(work / f"load-n{n}-{i}.json")})
+                           "cleanup_timeout_s": cfg.cleanup_timeout_s,
+                           "result_path": str(work / f"load-n{n}-{i}.json")})
         admissions = [await lp.expect("admitted", cfg.open_timeout_s + 60) for lp in loaders]
         admitted = sum(len(a["admitted"]) for a in admissions)
         refused = [r for a in admissions for r in a["refused"]]
@@ -552,8 +559,10 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
         # Keep what was measured: the raw records can be summarized again offline.
         raw = Path(cfg.out) / f"pipeline-raw-n{n}.json"
         raw.write_text(json.dumps({"results": results, "refused": refused,
-                                   "snapshots": [[t, {s: None if snap is None else [[k[0], list(k[1]), v] for k, v in snap.items()]
+                                   "snapshots": [[t, {s: None if snap is None
+                                                      else [[k[0], list(k[1]), v] for k, v in snap.items()]
                                                       for s, snap in snaps.items()}] for t, snaps in snapshots]}))
+
         raise RuntimeError(f"summarizing N={n} failed ({type(e).__name__}: {e}); raw records in {raw.name}") from e
     summary["client_procs"] = k
     # Where the start fell in the talker's tick grid (grid times are multiples of the period on
@@ -585,7 +594,8 @@ def send_offsets(shares: list[list[str]], period: float, how: str) -> list[list[
     share is spread over the whole period too) at j/S * period."""
     if how == "together":
         return [[0.0] * len(ids) for ids in shares]
-    order = sorted((sid for ids in shares for sid in ids), key=lambda sid: (len(sid), sid))  # ids are numbered: 999 < 1000
+    # Ids are numbered: sort 999 before 1000.
+    order = sorted((sid for ids in shares for sid in ids), key=lambda sid: (len(sid), sid))
     at = {sid: j * period / len(order) for j, sid in enumerate(order)}
     return [[round(at[sid], 6) for sid in ids] for ids in shares]
 
@@ -600,7 +610,8 @@ def progress_line(n: int, steady: int, start_at: float, duration_s: float, loade
     tick = "-"
     window = [s for _, s in snapshots[-6:] if s.get("talker") is not None]
     if len(window) >= 2:
-        q = bucket_quantile(histogram_delta(window[0]["talker"], window[-1]["talker"], "duplex_talker_tick_seconds"), 0.99)
+        q = bucket_quantile(histogram_delta(window[0]["talker"], window[-1]["talker"], "duplex_talker_tick_seconds"),
+                            0.99)
         tick = "-" if q != q else f"{q * 1000:.1f} ms"
     t = min(duration_s, time.monotonic() - start_at)
     return (f"N={n}: {t:5.1f}/{duration_s:g} s  frames/steady session in {sent / steady:.1f} out {recv / steady:.1f}  "
@@ -615,7 +626,8 @@ async def sweep(cfg: BenchConfig, procs: dict[str, ServiceProcess], ns: list[int
         t0 = time.monotonic()
         if deadline - t0 < cfg.duration_s + 45:
             log(f"N={n}: skipped, {deadline - t0:.0f} s left of --time-budget-s")
-            result["runs"].append({"sessions": n, "pass": False, "failed": "skipped: not enough of --time-budget-s left"})
+            result["runs"].append({"sessions": n, "pass": False,
+                                   "failed": "skipped: not enough of --time-budget-s left"})
             write()
             continue
         try:
@@ -626,7 +638,8 @@ async def sweep(cfg: BenchConfig, procs: dict[str, ServiceProcess], ns: list[int
         summary["wall_s"] = round(time.monotonic() - t0, 1)
         if "checks" in summary:
             failed = [c for c, ok in summary["checks"].items() if not ok]
-            log(f"N={n}: {'PASS' if summary['pass'] else 'FAIL (' + ', '.join(failed) + ')'} in {summary['wall_s']:.0f} s")
+            log(f"N={n}: {'PASS' if summary['pass'] else 'FAIL (' + ', '.join(failed) + ')'} in "
+                f"{summary['wall_s']:.0f} s")
         result["runs"].append(summary)
         write()
 
@@ -724,7 +737,8 @@ def main(argv: list[str] | None = None) -> int:
         if mps is not None:  # evidence that the three services are clients of our MPS server
             servers = mps.query("get_server_list")
             result["mps"]["server_list"] = servers
-            result["mps"]["client_lists"] = {pid: mps.query(f"get_client_list {pid}") for pid in servers.split() if pid.isdigit()}
+            result["mps"]["client_lists"] = {pid: mps.query(f"get_client_list {pid}") for pid in servers.split()
+                                             if pid.isdigit()}
             result["mps"]["service_pids"] = {st: p.proc.pid for st, p in procs.items()}
             log(f"mps: servers {servers or '-'}; clients {result['mps']['client_lists']}")
         write()

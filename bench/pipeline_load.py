@@ -199,7 +199,8 @@ async def wait_for_free_slot(cell, timeout_s: float, poll_s: float = 0.01) -> di
             try:
                 cap = await cell.stubs[stage].GetCapacity(common_pb2.CapacityRequest(), timeout=5)
             except grpc.aio.AioRpcError as e:
-                return {"code": "capacity_failed", "stage": stage, "message": f"GetCapacity: {e.code().name} {e.details()}"}
+                return {"code": "capacity_failed", "stage": stage,
+                        "message": f"GetCapacity: {e.code().name} {e.details()}"}
             if cap.free_slots < 1:
                 full = stage
                 break
@@ -263,7 +264,8 @@ async def report_progress(runs: list[SessionRun], probes: list[SessionRun], ever
 
 
 async def main() -> None:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = await read_json_line()
     cell = make_cell(*cfg["cell"])
     runs = [SessionRun(sid) for sid in cfg["stream_ids"]]

@@ -126,15 +126,20 @@ def talker_block(before: dict, after: dict) -> dict:
         # What the late ticks held: forced catch-up steps (past the deadline for a session
         # catch_up_lag_frames behind), slow ticks by cause, periods dropped, sessions still behind.
         "catch_up_steps_forced": int(counter_delta(before, after, "duplex_talker_catch_up_steps_forced")),
-        "slow_ticks_by_cause": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_slow_ticks", "cause").items()},
+        "slow_ticks_by_cause": {k: int(v)
+                                for k, v in counter_by_label(before, after, "duplex_talker_slow_ticks",
+                                                             "cause").items()},
         "ticks_dropped": int(counter_delta(before, after, "duplex_talker_ticks_dropped")),
         "sessions_behind": histogram_summary_counts(histogram_delta(before, after, "duplex_talker_sessions_behind")),
         # Where a step's wall time goes (services/talker/metrics.py STEP_PARTS).
-        "step_parts_ms": {p: histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_part_seconds", part=p))
+        "step_parts_ms": {p: histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_part_seconds",
+                                                                  part=p))
                           for p in STEP_PARTS},
         "backlog_refusals": int(counter_delta(before, after, "duplex_talker_backlog_refusals")),
         "prefill_piece_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_prefill_piece_seconds")),
-        "prefill_pieces": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_prefill_pieces", "where").items()},
+        "prefill_pieces": {k: int(v)
+                           for k, v in counter_by_label(before, after, "duplex_talker_prefill_pieces",
+                                                        "where").items()},
         "step_device_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_device_seconds")),
     }
 
@@ -146,7 +151,8 @@ def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:
     for (t0, a), (t, b) in zip(snapshots, snapshots[1:]):
         row = {"t0": t0, "t": t}
         if a.get("talker") is not None and b.get("talker") is not None:
-            row["talker_tick_p99_ms"] = _ms(bucket_quantile(histogram_delta(a["talker"], b["talker"], "duplex_talker_tick_seconds"), 0.99))
+            row["talker_tick_p99_ms"] = _ms(bucket_quantile(histogram_delta(a["talker"], b["talker"],
+                                                                            "duplex_talker_tick_seconds"), 0.99))
             for key, name in (("talker_catch_ups", "duplex_talker_catch_up_steps"),
                               ("talker_catch_ups_forced", "duplex_talker_catch_up_steps_forced"),
                               ("talker_ticks_dropped", "duplex_talker_ticks_dropped")):
@@ -157,7 +163,8 @@ def stage_timeline(snapshots: list[tuple[float, dict]]) -> list[dict]:
                     row[f"talker_slow_{cause}"] = int(n)
         for s in STAGES:
             if a.get(s) is not None and b.get(s) is not None:
-                row[f"{s}_step_p99_ms"] = _ms(bucket_quantile(histogram_delta(a[s], b[s], "duplex_stage_step_seconds", stage=s), 0.99))
+                row[f"{s}_step_p99_ms"] = _ms(bucket_quantile(histogram_delta(a[s], b[s], "duplex_stage_step_seconds",
+                                                                              stage=s), 0.99))
                 gc_pause = histogram_delta(a[s], b[s], "duplex_stage_gc_pause_seconds", stage=s).sum
                 if gc_pause:  # time the stage's process stood still collecting garbage in this interval
                     row[f"{s}_gc_ms"] = round(gc_pause * 1000.0, 2)
@@ -245,14 +252,16 @@ def summarize_run(n: int, results: list[dict], refused: list[dict], snapshots: l
     lateness = [x for s in live for x in s["late_s"]]
 
     before, after = snapshots[0][1], snapshots[-1][1]
-    stages = {s: (stage_block(before[s], after[s], s) if before.get(s) is not None and after.get(s) is not None else None)
+    stages = {s: (stage_block(before[s], after[s], s) if before.get(s) is not None and after.get(s) is not None
+                  else None)
               for s in STAGES}
     talker = talker_block(before["talker"], after["talker"]) if stages["talker"] is not None else None
 
     grid = np.arange(0.0, duration_s, 0.5)
     backlog = backlog_series(records, grid)
     trend = backlog_trend(grid, backlog, skip_s=min(5.0, duration_s / 4), max_growth_frames=backlog_growth_frames)
-    trend["per_second"] = [{"t": float(t), "frames": round(float(b), 3)} for t, b in zip(grid, backlog) if float(t).is_integer()]
+    trend["per_second"] = [{"t": float(t), "frames": round(float(b), 3)} for t, b in zip(grid, backlog)
+                           if float(t).is_integer()]
 
     cycles = [c for r in results for c in r.get("probes", [])]
     probes = probe_summary(cycles, probe_slots, probe_cycle_s)
@@ -350,7 +359,8 @@ def late_tick_line(run: dict) -> str:
             f"({t.get('catch_up_steps_forced')} forced past the deadline); periods dropped {t.get('ticks_dropped')}; "
             f"sessions a frame or more behind per tick mean/p99 {behind.get('mean', '-')}/{behind.get('p99', '-')}"
             + "; step parts p50/p99 (ms): " + ", ".join(
-                f"{p} {s.get('p50')}/{s.get('p99')}" for p, s in (t.get("step_parts_ms") or {}).items() if s.get("count")))
+                f"{p} {s.get('p50')}/{s.get('p99')}" for p, s in (t.get("step_parts_ms") or {}).items()
+                if s.get("count")))
 
 
 def probe_line(run: dict) -> str:
@@ -365,7 +375,8 @@ def probe_line(run: dict) -> str:
     pieces = (f"; talker prefill pieces riding a step {where.get('step', 0)}, alone {where.get('alone', 0)}"
               if where else "")
     pieces += (f" (alone p50/p99 {ms(piece.get('p50'))}/{ms(piece.get('p99'))} ms)" if piece.get("count") else "")
-    return (f"N={run['sessions']} probes ({p['slots']} of N, {p['cycles']} opens beside {run['steady_sessions']} steady): "
+    return (f"N={run['sessions']} probes ({p['slots']} of N, {p['cycles']} opens beside {run['steady_sessions']} "
+            "steady): "
             f"open p50/p99 {ms(p['open_ms']['p50'])}/{ms(p['open_ms']['p99'])} ms, "
             f"first audio p50/p99 {ms(p['first_audio_ms']['p50'])}/{ms(p['first_audio_ms']['p99'])} ms, "
             f"errors {p['errors_total']}" + pieces + slow_line(run))
@@ -388,7 +399,8 @@ def gpu_memory_lines(mem: dict | None) -> list[str]:
     free = mem["device_free_mib"]
     lines = []
     for stage, m in mem["stages"].items():
-        what = "no gauges" if m is None else f"allocated {m['allocated_mib']:.0f} MiB, reserved {m['reserved_mib']:.0f} MiB"
+        what = ("no gauges" if m is None
+                else f"allocated {m['allocated_mib']:.0f} MiB, reserved {m['reserved_mib']:.0f} MiB")
         lines.append(f"gpu memory: {stage:<8} {what}")
     lines.append(f"gpu memory: device free {'-' if free is None else f'{free:.0f}'} MiB")
     return lines
@@ -412,8 +424,10 @@ def plot(result: dict, path) -> object | None:
         color = f"C{i}"
         lat = [x for x in r["latency_per_second"] if x["p99_ms"] is not None]
         # Each point at the middle of the interval it summarizes.
-        ax1.plot([x["t"] + 0.5 for x in lat], [x["p99_ms"] for x in lat], "-", color=color, label=f"N={r['sessions']} p99")
-        ax1.plot([x["t"] + 0.5 for x in lat], [x["p50_ms"] for x in lat], "--", color=color, label=f"N={r['sessions']} p50")
+        ax1.plot([x["t"] + 0.5 for x in lat], [x["p99_ms"] for x in lat], "-", color=color,
+                 label=f"N={r['sessions']} p99")
+        ax1.plot([x["t"] + 0.5 for x in lat], [x["p50_ms"] for x in lat], "--", color=color,
+                 label=f"N={r['sessions']} p50")
         tl = [x for x in r["stage_timeline"] if x.get("talker_tick_p99_ms") is not None]
         ax2.plot([(x["t0"] + x["t"]) / 2 for x in tl], [x["talker_tick_p99_ms"] for x in tl], "-", color=color,
                  label=f"N={r['sessions']}")

@@ -175,7 +175,8 @@ def backlog_trend(grid: np.ndarray, backlog: np.ndarray, *, skip_s: float, max_g
     keep = grid >= skip_s
     x, y = grid[keep], backlog[keep]
     if x.size < 2:
-        return {"slope_frames_per_s": None, "growth_frames": None, "start": None, "end": None, "max": None, "growing": None}
+        return {"slope_frames_per_s": None, "growth_frames": None, "start": None, "end": None, "max": None,
+                "growing": None}
     slope = float(np.polyfit(x, y, 1)[0])
     growth = slope * float(x[-1] - x[0])
     return {"slope_frames_per_s": round(slope, 4), "growth_frames": round(growth, 3), "start": round(float(y[0]), 3),

@@ -171,7 +171,8 @@ def main() -> int:
             walls.append((time.perf_counter() - t0) * 1e3)
             devs.append((eng.last_step_device_s() or 0.0) * 1e3)
         catch_up[rows_active] = {"wall_ms": sorted(walls)[2], "device_ms": sorted(devs)[2]}
-        print(f"step with {rows_active:3d} active rows: wall {sorted(walls)[2]:.2f} ms, GPU {sorted(devs)[2]:.2f} ms (median of 5)")
+        print(f"step with {rows_active:3d} active rows: wall {sorted(walls)[2]:.2f} ms, GPU {sorted(devs)[2]:.2f} ms "
+              "(median of 5)")
     # Every captured chunk's kernels, by the ring entries it reads (the probe's prompt runs the smallest).
     n, first = job._cols.inputs.shape[0], job._cols.first
     g = eng.prefill_graph_for(min(n, eng.prefill_graph_frames), first)
@@ -181,10 +182,14 @@ def main() -> int:
     print(f"\nlast piece, lines that synchronized with the GPU: {', '.join(syncs) or 'none'}")
     print("last piece, CUDA runtime and torch calls by host time (profiled, so slower):")
     for e in trace:
-        print(f"  {e['cpu_total_ms']:8.2f} ms host  {e['device_total_ms']:8.2f} ms GPU  {e['calls']:5d}x  {e['name'][:90]}")
+        print(f"  {e['cpu_total_ms']:8.2f} ms host  {e['device_total_ms']:8.2f} ms GPU  {e['calls']:5d}x  "
+              f"{e['name'][:90]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill_profile.json").write_text(json.dumps({"slots": S, "rows": rows, "step_by_active_rows": catch_up, "sync_lines": syncs, "eager_chunk": chunk_kernels, "last_piece_calls": trace}, indent=1) + "\n")
+    result = {"slots": S, "rows": rows, "step_by_active_rows": catch_up, "sync_lines": syncs,
+              "eager_chunk": chunk_kernels, "last_piece_calls": trace}
+    (out / "prefill_profile.json").write_text(json.dumps(result, indent=1) + "\n")
+
     print(f"wrote {out / 'prefill_profile.json'}")
     return 0
 

@@ -49,7 +49,8 @@ def run(model, fp8: bool, tokens: torch.Tensor, chunk: int) -> tuple[list[torch.
     return seen, model.text_logits(h)[:, 0]
 
 
-def compare(attn: list[torch.Tensor], logits: torch.Tensor, attn_ref: list[torch.Tensor], logits_ref: torch.Tensor) -> dict:
+def compare(attn: list[torch.Tensor], logits: torch.Tensor, attn_ref: list[torch.Tensor],
+            logits_ref: torch.Tensor) -> dict:
     errs = [rel(a, r) for a, r in zip(attn, attn_ref)]
     return {"attn_rel_err_mean": sum(errs) / len(errs), "attn_rel_err_max": max(errs),
             "text_logits_rel_err": rel(logits, logits_ref),
@@ -82,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {"fill": fill, **compare(*run(model, True, tokens, args.chunk), attn16, logits16)}
         row["fp8_weights_and_kv"] = compare(*run(model_w8, True, tokens, args.chunk), attn16, logits16)
         for name, r in (("fp8 KV", row), ("fp8 weights + KV", row["fp8_weights_and_kv"])):
-            log(f"fill {fill}, {name}: attention rel err mean {r['attn_rel_err_mean']:.2e} max {r['attn_rel_err_max']:.2e}, "
-                f"text logits rel err {r['text_logits_rel_err']:.2e}, greedy text agreement {r['greedy_text_agreement']:.2f}")
+            log(f"fill {fill}, {name}: attention rel err mean {r['attn_rel_err_mean']:.2e} max "
+                f"{r['attn_rel_err_max']:.2e}, "
+                f"text logits rel err {r['text_logits_rel_err']:.2e}, greedy text agreement "
+                f"{r['greedy_text_agreement']:.2f}")
         rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

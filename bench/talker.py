@@ -195,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tokenizer", default=None, help="a SentencePiece model (default: the tiny checkpoint's)")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script, measures nothing real")
-    ap.add_argument("--weights-fp8", action="store_true", help="ours with the temporal matrices in fp8 (the serving config)")
-    ap.add_argument("--compile", action="store_true", help="ours with torch.compile'd elementwise kernels (the serving config)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model on the CPU: checks the script, measures nothing real")
+    ap.add_argument("--weights-fp8", action="store_true",
+                    help="ours with the temporal matrices in fp8 (the serving config)")
+    ap.add_argument("--compile", action="store_true",
+                    help="ours with torch.compile'd elementwise kernels (the serving config)")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("bench.talker needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"reference B={B}: out of memory")
                 rows.setdefault(B, {"batch": B})["ref_oom"] = True
                 break
-            log(f"reference B={B}: median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, peak {r['peak_mem_gb']:.1f} GB")
+            log(f"reference B={B}: median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, peak "
+                f"{r['peak_mem_gb']:.1f} GB")
             rows.setdefault(B, {"batch": B}).update({f"ref_{k.replace('_ms', '')}": v for k, v in r.items()})
             gc.collect()
             if not args.smoke:
@@ -278,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in table:
         def f(k, w=8):
             v = r.get(k)
-            return f"{v:{w}.1f}" if isinstance(v, float) else f"{'oom' if r.get(k.split('_')[0] + '_oom') else '-':>{w}}"
+            if isinstance(v, float):
+                return f"{v:{w}.1f}"
+            return f"{'oom' if r.get(k.split('_')[0] + '_oom') else '-':>{w}}"
+
         ratio = f"{r['ours_p99'] / r['floor_ms']:10.2f}" if r.get("ours_p99") and r.get("floor_ms") else f"{'-':>10}"
         vs = f"{r['ref_p99'] / r['ours_p99']:8.2f}" if r.get("ref_p99") and r.get("ours_p99") else f"{'-':>8}"
         print(f"{r['batch']:>5} {f('ours_median', 9)} {f('ours_p99', 9)} {f('ref_median')} {f('ref_p99')} "

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="eager steps under the profiler")
     ap.add_argument("--tokenizer", required=True, help="a SentencePiece model")
     ap.add_argument("--weights-fp8", action="store_true", help="the temporal matrices in fp8 (the serving config)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile'd elementwise kernels (services/talker/fused.py)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile'd elementwise kernels (services/talker/fused.py)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = "talker_profile" + ("_fp8w" if args.weights_fp8 else "") + ("_compiled" if args.compile else "") + ".json"
     (out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "weights_fp8": args.weights_fp8,
-                                        "compile": args.compile, "attention_launch": [decode_attention.BLOCK_N, decode_attention.NUM_WARPS,
+                                        "compile": args.compile,
+                                        "attention_launch": [decode_attention.BLOCK_N, decode_attention.NUM_WARPS,
                                                              decode_attention.NUM_STAGES],
                                         "rows": rows}, indent=1))
     return 0

@@ -30,9 +30,11 @@ from tests.openai_events import validate_server_event
 from tests.realtime_client import FRAME, RT, SR, check_envelope, f32_b64, pcm16_b64, tone  # noqa: F401 (re-exported)
 
 # Continuous output: the response's opening events, then its deltas.
-OUTPUT_EVENTS = ("response.created", "conversation.item.added", "response.output_item.added", "response.content_part.added",
+OUTPUT_EVENTS = ("response.created", "conversation.item.added", "response.output_item.added",
+                 "response.content_part.added",
                  "response.output_audio.delta", "response.output_audio_transcript.delta")
-_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub, "decoder": decoder_pb2_grpc.DecoderStub}
+_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "talker": talker_pb2_grpc.TalkerStub,
+          "decoder": decoder_pb2_grpc.DecoderStub}
 
 
 def append(x: np.ndarray, fmt: str = "pcm16") -> dict:
@@ -84,7 +86,9 @@ def leak_baseline(stack) -> tuple[dict, float]:
 def assert_nothing_leaked(stack, baseline: tuple[dict, float]) -> None:
     """Slot counts and the active gauge back at `baseline` (within 30 s: cleanup is asynchronous)."""
     counts, active = baseline
-    now = wait_until(lambda: stage_counts(stack) == counts and gateway_metric(stack.gateway, "gateway_sessions_active") == active, 30)
+    now = wait_until(lambda: stage_counts(stack) == counts
+                     and gateway_metric(stack.gateway, "gateway_sessions_active") == active, 30)
+
     assert now, (stage_counts(stack), counts, gateway_metric(stack.gateway, "gateway_sessions_active"), active)
 
 

@@ -47,7 +47,8 @@ def ensure_chromium() -> Path:
     if CHROMIUM.exists():
         return CHROMIUM
     if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.fail(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): apt-get install -y chromium")
+        pytest.fail(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): apt-get install -y "
+                    "chromium")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
     if subprocess.run(install, env=env, capture_output=True).returncode != 0:
@@ -247,7 +248,8 @@ def test_talk_from_the_browser(stack, page):
     lag = c["lag-frames"]
     assert lag == sent - received and c["lag-ms"] == 80 * lag, c
     assert re.fullmatch(r"-?[0-9]+ dBFS", text_of(page, "#mic-level"))
-    assert re.fullmatch(r"; the model's own delay is [0-9]+", text_of(page, "#model-delay"))  # from session.capabilities
+    # The model's delay comes from session.capabilities.
+    assert re.fullmatch(r"; the model's own delay is [0-9]+", text_of(page, "#model-delay"))
     assert len(text_of(page, "#transcript")) > 0
     assert metric(base, "gateway_sessions_active", 'protocol="realtime"') == 1
 
@@ -277,7 +279,8 @@ def test_talk_from_the_browser(stack, page):
         assert time.monotonic() < deadline, "the gateway still counts the session as active after Stop"
         time.sleep(0.2)
     assert page.problems == [], page.problems
-    print(f"\nbrowser: session open {opened_s:.1f}s after Talk; at the screenshot: sent {sent}, received {received}, played {played}, "
+    print(f"\nbrowser: session open {opened_s:.1f}s after Talk; at the screenshot: sent {sent}, received {received}, "
+          f"played {played}, "
           f"lag {lag} frames, rtt {text_of(page, '#rtt-ms')} ms, model rms {model_rms:.2e}; {sent_total} sent in all")
 
 
@@ -297,11 +300,14 @@ def test_the_page_talks_to_a_gateway_with_an_api_key(stack, page):
         assert "needs an API key" in text_of(page, "#error"), text_of(page, "#error")
         page.fill("#api-key", "wrong")
         page.click("#talk")
-        wait_for(page, "document.getElementById('error').textContent.includes('not accepted')", 30, "a wrong key refused")
+        wait_for(page, "document.getElementById('error').textContent.includes('not accepted')", 30,
+                 "a wrong key refused")
         page.fill("#api-key", key)
         page.click("#talk")
-        wait_for(page, "document.getElementById('state').dataset.state === 'live'", 60, "the session to open with the key")
-        wait_for(page, "Number(document.getElementById('received-frames').textContent) >= 3", 60, "frames from the model")
+        wait_for(page, "document.getElementById('state').dataset.state === 'live'", 60,
+                 "the session to open with the key")
+        wait_for(page, "Number(document.getElementById('received-frames').textContent) >= 3", 60,
+                 "frames from the model")
         assert metric(gw.http_url, "gateway_sessions_active", 'protocol="realtime"') == 1
         page.click("#stop")
         wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 15, "the session to close")
@@ -372,9 +378,11 @@ MIC_JS = """async ({freq, rate, seconds}) => {
     const ctx = new OfflineAudioContext(1, Math.round(rate * seconds), rate);
     await ctx.audioWorklet.addModule('worklets.js');
     const osc = new OscillatorNode(ctx, {frequency: freq});
-    const mic = new AudioWorkletNode(ctx, 'mic-capture', {numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1]});
+    const mic = new AudioWorkletNode(ctx, 'mic-capture',
+        {numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1]});
     const chunks = [];
-    mic.port.onmessage = (e) => chunks.push({bytes: e.data.pcm.byteLength, pcm: Array.from(new Int16Array(e.data.pcm)), rms: e.data.rms});
+    mic.port.onmessage = (e) => chunks.push(
+        {bytes: e.data.pcm.byteLength, pcm: Array.from(new Int16Array(e.data.pcm)), rms: e.data.rms});
     osc.connect(new GainNode(ctx, {gain: 0.5})).connect(mic).connect(ctx.destination);
     osc.start();
     await ctx.startRendering();
@@ -387,8 +395,10 @@ MIC_JS = """async ({freq, rate, seconds}) => {
 LOOPBACK_JS = """async ({frames, rate, seconds, targetMs, maxMs}) => {
     const ctx = new OfflineAudioContext(1, Math.round(rate * seconds), rate);
     await ctx.audioWorklet.addModule('worklets.js');
-    const player = new AudioWorkletNode(ctx, 'pcm-player', {numberOfInputs: 0, outputChannelCount: [1], processorOptions: {targetMs, maxMs}});
-    const mic = new AudioWorkletNode(ctx, 'mic-capture', {numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1]});
+    const player = new AudioWorkletNode(ctx, 'pcm-player',
+        {numberOfInputs: 0, outputChannelCount: [1], processorOptions: {targetMs, maxMs}});
+    const mic = new AudioWorkletNode(ctx, 'mic-capture',
+        {numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1]});
     const chunks = [];
     let stats = null;
     mic.port.onmessage = (e) => chunks.push(...new Int16Array(e.data.pcm));
@@ -441,7 +451,8 @@ def test_worklets_resample_chunk_and_buffer(page, static_server):
     out = page.evaluate(LOOPBACK_JS, {"frames": 12, "rate": 44_100, "seconds": 1.5, "targetMs": 160, "maxMs": 2000})
     stats, y = out["stats"], np.array(out["pcm"], dtype=np.float64) / 32768
     assert stats["framesIn"] == 12 and stats["framesPlayed"] == 12 and stats["droppedFrames"] == 0, stats
-    assert stats["underruns"] == 1 and stats["bufferedMs"] == 0 and not stats["playing"], stats  # ran dry once, at the end
+    # It ran dry once, at the end.
+    assert stats["underruns"] == 1 and stats["bufferedMs"] == 0 and not stats["playing"], stats
     voiced = np.flatnonzero(np.abs(y) > 0.05)
     assert abs((voiced[-1] - voiced[0]) / 24_000 - 0.96) < 0.01, (voiced[0], voiced[-1])
     played = y[voiced[0]:voiced[-1]]

@@ -29,7 +29,8 @@ def _shapes(path) -> dict[str, tuple[int, ...]]:
 
 def test_layout_and_published_key_names(tiny_checkpoint):
     paths = CheckpointPaths.open(tiny_checkpoint)
-    assert sorted(p.relative_to(tiny_checkpoint).as_posix() for p in tiny_checkpoint.rglob("*") if p.is_file()) == sorted(FILES)
+    assert sorted(p.relative_to(tiny_checkpoint).as_posix() for p in tiny_checkpoint.rglob("*")
+                  if p.is_file()) == sorted(FILES)
     cfg = LMConfig.tiny()
     lm = _shapes(paths.lm)
     assert lm == LMModel.published_shapes(cfg)
@@ -69,7 +70,9 @@ def test_same_seed_same_bytes_other_seed_differs(tiny_checkpoint, tmp_path):
     for f in ["model.safetensors", "tokenizer-e351c8d8-checkpoint125.safetensors", "voices/NATF2.pt", "config.json"]:
         assert (other / f).read_bytes() != (tiny_checkpoint / f).read_bytes(), f
     # the tokenizer depends only on the shipped corpus
-    assert (other / "tokenizer_spm_32k_3.model").read_bytes() == (tiny_checkpoint / "tokenizer_spm_32k_3.model").read_bytes()
+    tokenizer = "tokenizer_spm_32k_3.model"
+    assert (other / tokenizer).read_bytes() == (tiny_checkpoint / tokenizer).read_bytes()
+
 
 
 def test_tokenizer_ids_and_system_tag(tiny_checkpoint):

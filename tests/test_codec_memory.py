@@ -185,7 +185,8 @@ async def test_warmup_runs_on_the_worker_then_syncs_and_empties_the_cuda_cache(m
     finally:
         await batcher.stop()
     assert seconds >= 0
-    assert [(e[0], e[1]) for e in events] == [("step", ((4, FRAME), False)), ("sync", torch.device("cuda:1")), ("empty", None)]
+    assert [(e[0], e[1]) for e in events] == [("step", ((4, FRAME), False)), ("sync", torch.device("cuda:1")),
+                                              ("empty", None)]
     assert all(e[2].startswith("encoder-step") for e in events)
     assert batcher.steps == 0  # not a served step
 

@@ -108,7 +108,9 @@ async def served(build, cfg):
 
 @pytest.fixture
 async def encoder(tiny_checkpoint):
-    service = await served(build_encoder, EncoderConfig(checkpoint=str(tiny_checkpoint), host="127.0.0.1", port=0, metrics_port=0, slots=4))
+    service = await served(build_encoder,
+                           EncoderConfig(checkpoint=str(tiny_checkpoint), host="127.0.0.1", port=0, metrics_port=0,
+                                         slots=4))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
     yield service, encoder_pb2_grpc.EncoderStub(channel)
     await channel.close()
@@ -117,7 +119,9 @@ async def encoder(tiny_checkpoint):
 
 @pytest.fixture
 async def decoder(tiny_checkpoint):
-    service = await served(build_decoder, DecoderConfig(checkpoint=str(tiny_checkpoint), host="127.0.0.1", port=0, metrics_port=0, slots=4))
+    service = await served(build_decoder,
+                           DecoderConfig(checkpoint=str(tiny_checkpoint), host="127.0.0.1", port=0, metrics_port=0,
+                                         slots=4))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
     yield service, decoder_pb2_grpc.DecoderStub(channel)
     await channel.close()

@@ -109,7 +109,8 @@ def reference_columns(eng: TalkerEngine, voice: str | None, persona: str) -> tup
     columns before N-1 are its embeddings and its ring supplies the entries of voice frames."""
     cfg = eng.cfg
     sil = [3, *prompt.SILENCE_TOKENS, *prompt.SINE_TOKENS]
-    tail = [sil] * 6 + [[t, *prompt.SILENCE_TOKENS, *prompt.SINE_TOKENS] for t in eng.tokenizer.encode_persona(persona)] + [sil] * 6
+    tail = [sil] * 6 + [[t, *prompt.SILENCE_TOKENS, *prompt.SINE_TOKENS]
+                        for t in eng.tokenizer.encode_persona(persona)] + [sil] * 6
     n = 0
     cache = None
     if voice:
@@ -328,7 +329,8 @@ def test_noise_is_reproducible_and_batch_independent():
     assert torch.equal(alone[:, 0], a[:, 2])
     # codebooks get different noise
     assert (draw(logits, p, seed=7, frames=50, cb=3) != a).float().mean() > 0.5
-    u = uniform_noise(noise_key(torch.tensor([0, 2**62 + 5]), torch.tensor([0, 10**9])), 17, torch.arange(10000).expand(2, -1))
+    u = uniform_noise(noise_key(torch.tensor([0, 2**62 + 5]), torch.tensor([0, 10**9])), 17,
+                      torch.arange(10000).expand(2, -1))
     assert float(u.min()) > 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
     # the high half of the seed matters too
     idx = torch.arange(64)[None]
@@ -360,7 +362,8 @@ def test_engine_sessions_with_same_seed_repeat_and_other_seeds_differ(paths):
 def test_bad_requests_are_typed_and_leave_other_sessions_alone(paths, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(paths.root, ck)
-    torch.save({"embeddings": torch.zeros(2, 1, 1, 3), "cache": torch.zeros(1, 17, 4, dtype=torch.long)}, ck / "voices" / "BAD.pt")
+    torch.save({"embeddings": torch.zeros(2, 1, 1, 3), "cache": torch.zeros(1, 17, 4, dtype=torch.long)},
+               ck / "voices" / "BAD.pt")
     eng = engine(CheckpointPaths.open(ck), slots=2)
     ref = engine(paths, slots=2)
     frames = user_frames(20, 6)

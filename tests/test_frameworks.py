@@ -65,7 +65,8 @@ def delay(stack) -> int:
 
 
 def run_client(script: str, stack, speech: Path, delay: int, *args: str) -> dict:
-    proc = subprocess.run([str(FW_PYTHON), str(SCRIPTS / script), "--url", stack.gateway.http_url, "--speech", str(speech),
+    proc = subprocess.run([str(FW_PYTHON), str(SCRIPTS / script), "--url", stack.gateway.http_url, "--speech",
+                           str(speech),
                            "--delay", str(delay), *args], capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -90,7 +91,9 @@ def check_events(events: list[dict]) -> dict[str, int]:
 def cancelled_then_continued(events: list[dict]) -> bool:
     types = [(e["type"], e.get("response", {}).get("status")) for e in events]
     i = types.index(("response.done", "cancelled"))
-    return ("response.created", "in_progress") in types[i:] and any(t == "response.output_audio.delta" for t, _ in types[i:])
+    rest = types[i:]
+    return ("response.created", "in_progress") in rest and any(t == "response.output_audio.delta" for t, _ in rest)
+
 
 
 def check_counts(r: dict, delay: int, codec_held: int = 0) -> None:
@@ -170,7 +173,8 @@ def test_livekit_nvidia_update_instructions_reconnects_into_a_full_cell(stack, s
     async def run():
         held = await hold_sessions(stack, 1)
         try:
-            return await asyncio.to_thread(run_client, "livekit_nvidia.py", stack, speech, delay, "--scenario", "reconnect")
+            return await asyncio.to_thread(run_client, "livekit_nvidia.py", stack, speech, delay, "--scenario",
+                                           "reconnect")
         finally:
             await held[0].close()
     r = asyncio.run(run())

@@ -40,7 +40,8 @@ METRICS_PORTS = {9101, 9102, 9103}
 MPS_DAEMON = "nvidia-cuda-mps-control"
 GPU_DEVICE_CLASS = "gpu.nvidia.com"
 CELL, GATEWAY = ("StatefulSet", "cell"), ("Deployment", "gateway")
-DEPRECATED_KUSTOMIZE = ("commonLabels", "commonAnnotations", "patchesStrategicMerge", "patchesJson6902", "bases", "vars")
+DEPRECATED_KUSTOMIZE = ("commonLabels", "commonAnnotations", "patchesStrategicMerge", "patchesJson6902", "bases",
+                        "vars")
 
 
 # ---------------------------------------------------------------- rendering
@@ -152,7 +153,8 @@ def arg_after(c: dict, flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
 
 
-_QUANTITY = {"m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+_QUANTITY = {"m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30,
+             "Ti": 2.0**40}
 
 
 def quantity(q) -> float:
@@ -278,7 +280,8 @@ def same_uid_problems(docs: list[dict]) -> list[str]:
     """MPS serves only clients of the daemon's user: the stages (and daemon) share one uid and gid."""
     spec = pod_spec(find(docs, *CELL))
     mps = [c for c in containers(spec) if c["name"] in STAGES or MPS_DAEMON in c.get("command", [])]
-    ids = {c["name"]: (effective_security(spec, c, "runAsUser"), effective_security(spec, c, "runAsGroup")) for c in mps}
+    ids = {c["name"]: (effective_security(spec, c, "runAsUser"), effective_security(spec, c, "runAsGroup"))
+           for c in mps}
     if len(set(ids.values())) != 1 or None in next(iter(ids.values())):
         return [f"cell containers do not share one runAsUser/runAsGroup: {ids}"]
     return []
@@ -311,7 +314,8 @@ def mps_problems(docs: list[dict]) -> list[str]:
         if c["name"] not in STAGES:
             continue
         if env_value(c, "CUDA_MPS_PIPE_DIRECTORY") != pipe:
-            out.append(f"{c['name']}: CUDA_MPS_PIPE_DIRECTORY is {env_value(c, 'CUDA_MPS_PIPE_DIRECTORY')!r}, daemon uses {pipe!r}")
+            out.append(f"{c['name']}: CUDA_MPS_PIPE_DIRECTORY is {env_value(c, 'CUDA_MPS_PIPE_DIRECTORY')!r}, daemon "
+                       f"uses {pipe!r}")
         m = mount_of(c, pipe)
         if not m or m["name"] != pipe_volume:
             out.append(f"{c['name']}: does not mount the daemon's pipe volume {pipe_volume!r} at {pipe}")
@@ -329,7 +333,9 @@ def gpu_problems(docs: list[dict]) -> list[str]:
     tmpl = find(docs, "ResourceClaimTemplate", claim["resourceClaimTemplateName"])
     reqs = tmpl["spec"]["spec"]["devices"]["requests"]
     exact = [r.get("exactly", {}) for r in reqs]
-    if len(exact) != 1 or exact[0].get("deviceClassName") != GPU_DEVICE_CLASS or exact[0].get("allocationMode", "ExactCount") != "ExactCount" or exact[0].get("count", 1) != 1:
+    one = exact[0] if len(exact) == 1 else {}
+    if (one.get("deviceClassName") != GPU_DEVICE_CLASS or one.get("allocationMode", "ExactCount") != "ExactCount"
+            or one.get("count", 1) != 1):
         out.append(f"{kn(tmpl)} must request exactly one {GPU_DEVICE_CLASS} device: {reqs}")
     for c in containers(spec):
         uses_gpu = c["name"] in STAGES or MPS_DAEMON in c.get("command", [])
@@ -351,7 +357,8 @@ def cpu_problems(docs: list[dict]) -> list[str]:
     if spec.get("resourceClaims"):
         out.append("CPU cell claims devices")
     for c in containers(spec):
-        if any(k.startswith("nvidia.com/") for k in c.get("resources", {}).get("limits", {})) or c.get("resources", {}).get("claims"):
+        resources = c.get("resources", {})
+        if any(k.startswith("nvidia.com/") for k in resources.get("limits", {})) or resources.get("claims"):
             out.append(f"{c['name']}: asks for a GPU")
         if c["name"] in STAGES:
             env = config_env(docs, c)
@@ -404,7 +411,8 @@ def wiring_problems(docs: list[dict]) -> list[str]:
             except AssertionError as e:
                 out.append(f"{kn(w)}/{c['name']}: {e}")
                 continue
-            for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", " ".join(c.get("command", []) + c.get("args", []))):
+            for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                                  " ".join(c.get("command", []) + c.get("args", []))):
                 if ref not in env:
                     out.append(f"{kn(w)}/{c['name']}: $({ref}) is not defined")
     return out
@@ -466,8 +474,10 @@ def selector_problems(docs: list[dict]) -> list[str]:
         out.append("the gateway needs exactly one Service selecting only gateway pods")
     for pdb in of_kind(docs, "PodDisruptionBudget"):
         if len(targets(pdb["spec"]["selector"].get("matchLabels", {}))) != 1:
-            out.append(f"{kn(pdb)}: selects {targets(pdb['spec']['selector'].get('matchLabels', {}))}, expected one workload")
-    if not any(targets(p["spec"]["selector"].get("matchLabels", {})) == {kn(gateway)} for p in of_kind(docs, "PodDisruptionBudget")):
+            out.append(f"{kn(pdb)}: selects {targets(pdb['spec']['selector'].get('matchLabels', {}))}, expected one "
+                       "workload")
+    if not any(targets(p["spec"]["selector"].get("matchLabels", {})) == {kn(gateway)}
+               for p in of_kind(docs, "PodDisruptionBudget")):
         out.append("no PodDisruptionBudget covers the gateway")
     hpas = of_kind(docs, "HorizontalPodAutoscaler")
     if len(hpas) != 1:
@@ -489,7 +499,8 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
     cell, gateway = find(docs, *CELL), find(docs, *GATEWAY)
     grpc = set(STAGES.values())
     out = []
-    covering = [p for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"].get("matchLabels"), pod_labels(cell))]
+    covering = [p for p in of_kind(docs, "NetworkPolicy")
+                if selects(p["spec"]["podSelector"].get("matchLabels"), pod_labels(cell))]
     if not covering:
         return ["no NetworkPolicy selects the cell pods"]
     reachable: set[int] = set()
@@ -509,7 +520,8 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
                 for peer in rule["from"]
             )
             if ports & grpc and not gateway_only:
-                out.append(f"{kn(pol)} rule {i}: opens gRPC ports {sorted(ports & grpc)} to peers other than gateway pods: {rule['from']}")
+                out.append(f"{kn(pol)} rule {i}: opens gRPC ports {sorted(ports & grpc)} to peers other than gateway "
+                           f"pods: {rule['from']}")
             elif not gateway_only and not ports <= METRICS_PORTS:
                 out.append(f"{kn(pol)} rule {i}: non-gateway peers may reach {sorted(ports - METRICS_PORTS)}")
             if gateway_only:
@@ -536,7 +548,8 @@ def pod_security_problems(docs: list[dict]) -> list[str]:
     ns = of_kind(docs, "Namespace")
     level = ns[0]["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce") if ns else None
     if level in ("restricted", "baseline"):
-        return [f"{kn(w)}: hostPath volume in a {level} namespace" for w in workloads(docs) for v in pod_spec(w).get("volumes", []) if "hostPath" in v]
+        return [f"{kn(w)}: hostPath volume in a {level} namespace" for w in workloads(docs)
+                for v in pod_spec(w).get("volumes", []) if "hostPath" in v]
     return [] if level == "privileged" else [f"namespace has no pod-security enforce label ({level})"]
 
 
@@ -564,7 +577,9 @@ def test_hostpath_component_swaps_only_the_checkpoint_volume(targets):
     gpu, hp = pod_spec(find(targets["gpu"], *CELL)), pod_spec(find(targets["gpu+hostpath"], *CELL))
     assert "persistentVolumeClaim" in volume(gpu, "checkpoint")
     assert set(volume(hp, "checkpoint")) == {"name", "hostPath"}
-    assert [v for v in gpu["volumes"] if v["name"] != "checkpoint"] == [v for v in hp["volumes"] if v["name"] != "checkpoint"]
+    def others(volumes):
+        return [v for v in volumes if v["name"] != "checkpoint"]
+    assert others(gpu["volumes"]) == others(hp["volumes"])
 
 
 def test_kustomizations_use_no_deprecated_fields():
@@ -599,42 +614,72 @@ def _mps_daemon(docs):
     return next(c for c in _cell(docs)["initContainers"] if MPS_DAEMON in c["command"])
 
 
+def _ingress(docs):
+    return find(docs, "NetworkPolicy", "cell-ingress")["spec"]["ingress"]
+
+
+def _gpu_request(docs):
+    return find(docs, "ResourceClaimTemplate", "cell-gpu")["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+
+
+def _unmount_mps(docs):
+    c = _container(docs, "encoder")
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if not m["mountPath"].startswith("/mps")]
+
+
 BREAKAGES = {
     "unknown field": (schema_problems, lambda d: find(d, *CELL)["spec"].update(replicaz=3)),
-    "removed apiVersion": (schema_problems, lambda d: find(d, "PodDisruptionBudget", "gateway").update(apiVersion="policy/v1beta1")),
+    "removed apiVersion": (schema_problems,
+                           lambda d: find(d, "PodDisruptionBudget", "gateway").update(apiVersion="policy/v1beta1")),
     "no readiness probe": (stage_grpc_probe_problems, lambda d: _container(d, "talker").pop("readinessProbe")),
-    "tcp liveness": (stage_grpc_probe_problems, lambda d: _container(d, "decoder").update(livenessProbe={"tcpSocket": {"port": 50053}})),
-    "probe on wrong port": (stage_grpc_probe_problems, lambda d: _container(d, "encoder")["readinessProbe"]["grpc"].update(port=50052)),
-    "gateway tcp probe": (gateway_http_probe_problems, lambda d: _container(d, "gateway", GATEWAY).update(readinessProbe={"tcpSocket": {"port": 8000}})),
+    "tcp liveness": (stage_grpc_probe_problems,
+                     lambda d: _container(d, "decoder").update(livenessProbe={"tcpSocket": {"port": 50053}})),
+    "probe on wrong port": (stage_grpc_probe_problems,
+                            lambda d: _container(d, "encoder")["readinessProbe"]["grpc"].update(port=50052)),
+    "gateway tcp probe": (gateway_http_probe_problems, lambda d: _container(d, "gateway", GATEWAY)
+                          .update(readinessProbe={"tcpSocket": {"port": 8000}})),
     "no daemon limits": (resource_problems, lambda d: _mps_daemon(d)["resources"].pop("limits")),
-    "limit below request": (resource_problems, lambda d: _container(d, "talker")["resources"]["limits"].update(memory="1Gi")),
-    "root container": (security_problems, lambda d: _container(d, "decoder").setdefault("securityContext", {}).update(runAsUser=0)),
-    "escalation": (security_problems, lambda d: _container(d, "gateway", GATEWAY)["securityContext"].update(allowPrivilegeEscalation=True)),
+    "limit below request": (resource_problems,
+                            lambda d: _container(d, "talker")["resources"]["limits"].update(memory="1Gi")),
+    "root container": (security_problems,
+                       lambda d: _container(d, "decoder").setdefault("securityContext", {}).update(runAsUser=0)),
+    "escalation": (security_problems, lambda d: _container(d, "gateway", GATEWAY)["securityContext"]
+                   .update(allowPrivilegeEscalation=True)),
     "different uid": (same_uid_problems, lambda d: _container(d, "decoder")["securityContext"].update(runAsUser=10002)),
     "daemon different uid": (same_uid_problems, lambda d: _mps_daemon(d)["securityContext"].update(runAsUser=10002)),
-    "pipe not mounted": (mps_problems, lambda d: _container(d, "encoder").update(volumeMounts=[m for m in _container(d, "encoder")["volumeMounts"] if not m["mountPath"].startswith("/mps")])),
-    "pipe env differs": (mps_problems, lambda d: _env(_container(d, "talker"), "CUDA_MPS_PIPE_DIRECTORY").update(value="/tmp/other")),
+    "pipe not mounted": (mps_problems, _unmount_mps),
+    "pipe env differs": (mps_problems,
+                         lambda d: _env(_container(d, "talker"), "CUDA_MPS_PIPE_DIRECTORY").update(value="/tmp/other")),
     "daemon not sidecar": (mps_problems, lambda d: _mps_daemon(d).pop("restartPolicy")),
-    "per-container gpu": (gpu_problems, lambda d: _container(d, "talker")["resources"]["limits"].update({"nvidia.com/gpu": 1})),
+    "per-container gpu": (gpu_problems,
+                          lambda d: _container(d, "talker")["resources"]["limits"].update({"nvidia.com/gpu": 1})),
     "stage without claim": (gpu_problems, lambda d: _container(d, "decoder")["resources"].pop("claims")),
-    "two gpus": (gpu_problems, lambda d: find(d, "ResourceClaimTemplate", "cell-gpu")["spec"]["spec"]["devices"]["requests"][0]["exactly"].update(count=2)),
-    "template label drift": (selector_problems, lambda d: find(d, *CELL)["spec"]["template"]["metadata"]["labels"].update({"app.kubernetes.io/component": "cells"})),
-    "hpa wrong target": (selector_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")["spec"]["scaleTargetRef"].update(name="gw")),
+    "two gpus": (gpu_problems, lambda d: _gpu_request(d).update(count=2)),
+    "template label drift": (selector_problems, lambda d: find(d, *CELL)["spec"]["template"]["metadata"]["labels"]
+                             .update({"app.kubernetes.io/component": "cells"})),
+    "hpa wrong target": (selector_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")
+                         ["spec"]["scaleTargetRef"].update(name="gw")),
     "workers from the limit": (gateway_workers_problems, lambda d: _env(_container(d, "gateway", GATEWAY), WORKERS_ENV)
                                ["valueFrom"]["resourceFieldRef"].update(resource="limits.cpu")),
     "workers flag": (gateway_workers_problems,
                      lambda d: _container(d, "gateway", GATEWAY)["args"].extend(["--workers", "3"])),
     "hpa on unknown metric": (gateway_workers_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")
                               ["spec"]["metrics"][0]["pods"]["metric"].update(name="gateway_sessions")),
-    "pdb selects all": (selector_problems, lambda d: find(d, "PodDisruptionBudget", "gateway")["spec"]["selector"]["matchLabels"].pop("app.kubernetes.io/component")),
-    "grpc open to namespace": (network_policy_problems, lambda d: find(d, "NetworkPolicy", "cell-ingress")["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}})),
-    "grpc open to all": (network_policy_problems, lambda d: find(d, "NetworkPolicy", "cell-ingress")["spec"]["ingress"][0].pop("from")),
-    "grpc to prometheus": (network_policy_problems, lambda d: find(d, "NetworkPolicy", "cell-ingress")["spec"]["ingress"][1]["ports"].append({"port": 50052, "protocol": "TCP"})),
+    "pdb selects all": (selector_problems, lambda d: find(d, "PodDisruptionBudget", "gateway")
+                        ["spec"]["selector"]["matchLabels"].pop("app.kubernetes.io/component")),
+    "grpc open to namespace": (network_policy_problems,
+                               lambda d: _ingress(d)[0]["from"].append({"namespaceSelector": {}})),
+    "grpc open to all": (network_policy_problems, lambda d: _ingress(d)[0].pop("from")),
+    "grpc to prometheus": (network_policy_problems,
+                           lambda d: _ingress(d)[1]["ports"].append({"port": 50052, "protocol": "TCP"})),
     "short grace": (drain_problems, lambda d: _cell(d).update(terminationGracePeriodSeconds=30)),
     "service links": (wiring_problems, lambda d: _cell(d).pop("enableServiceLinks")),
-    "undefined var": (wiring_problems, lambda d: _container(d, "talker")["args"].__setitem__(1, "$(CHECKPOINT_DIRECTORY)")),
-    "writable checkpoint": (checkpoint_problems, lambda d: next(m for m in _container(d, "talker")["volumeMounts"] if m["name"] == "checkpoint").pop("readOnly")),
-    "hostPath in restricted": (pod_security_problems, lambda d: _cell(d)["volumes"].append({"name": "x", "hostPath": {"path": "/x"}})),
+    "undefined var": (wiring_problems,
+                      lambda d: _container(d, "talker")["args"].__setitem__(1, "$(CHECKPOINT_DIRECTORY)")),
+    "writable checkpoint": (checkpoint_problems, lambda d: next(m for m in _container(d, "talker")["volumeMounts"]
+                                                                if m["name"] == "checkpoint").pop("readOnly")),
+    "hostPath in restricted": (pod_security_problems,
+                               lambda d: _cell(d)["volumes"].append({"name": "x", "hostPath": {"path": "/x"}})),
 }
 
 
@@ -668,7 +713,8 @@ def test_every_container_runs_the_image_the_dockerfile_builds_as_its_user(target
     for target in ALL_TARGETS:
         images = {c["image"] for w in workloads(targets[target]) for c in containers(pod_spec(w))}
         # One image, and a pushed one: the bare placeholder name means a container missed the images transformer.
-        assert len(images) == 1 and re.fullmatch(r"[\w.-]+(/[\w.-]+)+/personaplex-serve:[\w.-]+", images.pop()), (target, images)
+        assert len(images) == 1 and re.fullmatch(r"[\w.-]+(/[\w.-]+)+/personaplex-serve:[\w.-]+",
+                                                 images.pop()), (target, images)
         for w in workloads(targets[target]):
             spec = pod_spec(w)
             for c in containers(spec):

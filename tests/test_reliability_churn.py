@@ -20,7 +20,8 @@ from tests.reliability_helpers import (FRAME, RT, Feeder, append, async_wait_unt
 from tools.run_stack import Stack
 
 SLOTS, CONTEXT, TICK_S, BACKLOG_FRAMES = 6, 32, 0.08, 25
-TALKER_ARGS = ["--context", str(CONTEXT), "--tick-ms", str(TICK_S * 1000), "--max-backlog-s", str(BACKLOG_FRAMES * TICK_S)]
+TALKER_ARGS = ["--context", str(CONTEXT), "--tick-ms", str(TICK_S * 1000), "--max-backlog-s",
+               str(BACKLOG_FRAMES * TICK_S)]
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
 CHURN_CYCLES = 240
 RSS_BOUND_MB = 50.0
@@ -78,7 +79,8 @@ async def _cycle(url: str, kind: str, rng: random.Random, stats: dict) -> None:
         await rt.send(append(x[i * FRAME : (i + 1) * FRAME]))
     if kind == "close":
         _, closed = await rt.close()
-        assert closed["frames_in"] == frames and closed["frames_out"] <= frames and closed["cleanup_confirmed"] is True, closed
+        assert closed["frames_in"] == frames and closed["frames_out"] <= frames, closed
+        assert closed["cleanup_confirmed"] is True, closed
     elif kind == "ws_close":  # a clean WebSocket close without session.close
         await rt.ws.close()
     else:  # "drop_after_open"
@@ -114,7 +116,8 @@ async def test_hundreds_of_open_close_and_abrupt_disconnects_leak_nothing(stack,
         for r in runners:
             await asyncio.to_thread(r.check_alive, 3)
     churn_s = time.monotonic() - t0
-    settled = await async_wait_until(lambda: stage_counts(stack) == with_runners and gateway_metric(stack.gateway, "gateway_sessions_active") == 2, 30)
+    settled = await async_wait_until(lambda: stage_counts(stack) == with_runners
+                                     and gateway_metric(stack.gateway, "gateway_sessions_active") == 2, 30)
     assert settled, (stage_counts(stack), gateway_metric(stack.gateway, "gateway_sessions_active"))
     rss1 = rss_mb(pid)
     cycles = sum(stats[k] for k in kinds)
@@ -152,7 +155,8 @@ async def test_a_session_runs_many_windows_past_the_talker_context(stack, idle):
     _, closed = await rt.close()
     assert closed["frames_in"] == n and closed["frames_out"] == n - delay == rt.frames, closed
     assert len(rt.of("response.output_audio_transcript.delta")) == rt.frames
-    y = np.concatenate([np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in rt.of("response.output_audio.delta")])
+    y = np.concatenate([np.frombuffer(base64.b64decode(e["delta"]), "<i2")
+                        for e in rt.of("response.output_audio.delta")])
     assert y.size == (n - delay) * FRAME and float(np.sqrt(np.mean((y / 32768.0) ** 2))) > 1e-3
 
 

@@ -25,7 +25,8 @@ STALL_S = 1.0
 # A generous talker backlog: on a loaded 2-core machine the tiny talker can fall seconds behind,
 # and these tests are about input handling and faults, not about the backlog bound (churn tests that).
 TALKER_ARGS = ["--max-backlog-s", "30"]
-GATEWAY_ARGS = ["--stall-timeout", str(STALL_S), "--open-timeout", "120", "--cleanup-timeout", "3", "--poll-interval", "0.3"]
+GATEWAY_ARGS = ["--stall-timeout", str(STALL_S), "--open-timeout", "120", "--cleanup-timeout", "3", "--poll-interval",
+                "0.3"]
 FAULTS: list[str] = []
 
 
@@ -72,7 +73,8 @@ def restart(stack, cell: int, stage: str) -> None:
     """Start the stage again on the same ports, as an orchestrator would."""
     old: ServiceProcess = getattr(stack.cell_procs[cell], stage)
     old.close()
-    new = ServiceProcess(old.module, old.args, port=old.port, metrics_port=old.metrics_port, host=old.host, ready_timeout=180)
+    new = ServiceProcess(old.module, old.args, port=old.port, metrics_port=old.metrics_port, host=old.host,
+                         ready_timeout=180)
     setattr(stack.cell_procs[cell], stage, new.start())
 
 
@@ -92,7 +94,8 @@ def test_a_killed_codec_stage_fails_only_its_cell_and_comes_back(stack, stage):
     FAULTS.append(f"SIGKILL {stage}")
 
     err, at = victim.wait_failed()
-    assert err["error"]["type"] == "server_error" and err["error"]["code"] in ("runtime_stream_failed", "runtime_append_failed"), err
+    assert err["error"]["type"] == "server_error" and err["error"]["code"] in ("runtime_stream_failed",
+                                                                               "runtime_append_failed"), err
     assert at - killed_at < STALL_S + 1.0, f"typed error {at - killed_at:.2f}s after the kill"
     assert wait_until(lambda: victim.closed is not None, 10) and victim.closed == 1011, victim.closed
     out_before = survivor.frames
@@ -102,7 +105,9 @@ def test_a_killed_codec_stage_fails_only_its_cell_and_comes_back(stack, stage):
     survivor.check_alive(3)
     # The hurt cell's stages that still run hold nothing of the dead session.
     alive = [s for s in ("encoder", "talker", "decoder") if s != stage]
-    assert wait_until(lambda: set(stage_counts(stack, [cell], alive).values()) == {(2, 0)}, 20), stage_counts(stack, [cell], alive)
+    assert wait_until(lambda: set(stage_counts(stack, [cell], alive).values()) == {(2, 0)}, 20), \
+        stage_counts(stack, [cell], alive)
+
 
     restart(stack, cell, stage)
     wait_serving(stack, 2)

@@ -45,12 +45,15 @@ FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None
 # Client events the gateway serves (valid ones do not answer with an error); anything else is unknown.
 KNOWN_EVENTS = {
     "session.update", "input_audio_buffer.append", "input_audio_buffer.clear", "session.close", "response.cancel",
-    "session.heartbeat", "input_audio_buffer.commit", "response.create", "session.resume", "barge_in", "session.barge_in",
+    "session.heartbeat", "input_audio_buffer.commit", "response.create", "session.resume", "barge_in",
+    "session.barge_in",
     "input_audio_buffer.barge_in", "output_audio_buffer.clear", "conversation.item.truncate",
     "conversation.item.create", "conversation.item.delete",
 }
-REFUSED_FEATURES = ["barge_in", "input_audio_buffer.barge_in", "output_audio_buffer.clear", "session.barge_in", "session.resume"]
-SESSION_KEYS = {"type", "model", "modalities", "output_modalities", "input_audio_format", "output_audio_format", "audio",
+REFUSED_FEATURES = ["barge_in", "input_audio_buffer.barge_in", "output_audio_buffer.clear", "session.barge_in",
+                    "session.resume"]
+SESSION_KEYS = {"type", "model", "modalities", "output_modalities", "input_audio_format", "output_audio_format",
+                "audio",
                 "voice", "instructions", "turn_detection", "extra_body",
                 # standard fields accepted and reported as not in effect
                 "max_output_tokens", "tool_choice", "tracing", "tools", "id", "session_id", "object"}
@@ -142,7 +145,8 @@ def not_json(draw):
 
 @st.composite
 def not_an_event(draw):
-    value = draw(json_values | st.dictionaries(st.just("type"), json_values.filter(lambda v: not isinstance(v, str)), min_size=1))
+    value = draw(json_values
+                 | st.dictionaries(st.just("type"), json_values.filter(lambda v: not isinstance(v, str)), min_size=1))
     if isinstance(value, dict) and isinstance(value.get("type"), str):
         value["type"] = [value["type"]]
     return json.dumps(value), {"bad_event"}, None
@@ -201,7 +205,8 @@ def bad_append(draw):
         fields["sample_rate_hz"] = draw(json_values.filter(lambda v: v != SR))
         code = "unsupported_audio_format"
     else:
-        fields["format"] = draw(json_values.filter(lambda v: v != "pcm_f32le") | st.sampled_from(["pcm16", "pcm_s16le", "g711_ulaw"]))
+        fields["format"] = draw(json_values.filter(lambda v: v != "pcm_f32le")
+                                | st.sampled_from(["pcm16", "pcm_s16le", "g711_ulaw"]))
         code = "unsupported_audio_format"
     msg, eid = _event("input_audio_buffer.append", draw(event_ids), fields)
     return msg, {code}, eid
@@ -213,7 +218,8 @@ def bad_session_update(draw):
     if flaw == "not_object":
         session, code = draw(json_values.filter(lambda v: not isinstance(v, dict))), "bad_event"
     elif flaw == "unknown_key":
-        session = draw(st.dictionaries(st.text(max_size=12).filter(lambda k: k not in SESSION_KEYS), json_values, min_size=1, max_size=3))
+        session = draw(st.dictionaries(st.text(max_size=12).filter(lambda k: k not in SESSION_KEYS), json_values,
+                                       min_size=1, max_size=3))
         code = "bad_event"
     elif flaw == "voice":
         v = draw(st.text(max_size=80).filter(lambda v: v and not VOICE_RULE.match(v) and v.lower() not in VOICE_ALIASES)
@@ -231,7 +237,8 @@ def bad_session_update(draw):
     return msg, {code}, eid
 
 
-any_bad_message = st.one_of(not_json(), not_an_event(), unknown_event(), refused_feature(), bad_append(), bad_session_update())
+any_bad_message = st.one_of(not_json(), not_an_event(), unknown_event(), refused_feature(), bad_append(),
+                            bad_session_update())
 
 
 # ---- the Realtime wire ---------------------------------------------------------------------------
@@ -282,7 +289,8 @@ def fuzz_session(stack, feeder):
 
 @FUZZ
 @given(case=any_bad_message)
-def test_every_malformed_event_gets_one_typed_error_and_the_session_goes_on(stack, feeder, baseline, fuzz_session, case):
+def test_every_malformed_event_gets_one_typed_error_and_the_session_goes_on(stack, feeder, baseline, fuzz_session,
+                                                                            case):
     """Random JSON (any types and nesting), wrong field types, unknown and refused events,
     broken base64 (bad characters, padding, whitespace, URL alphabet), odd byte counts, NaN/inf
     samples, rate and format changes mid-session, binary frames: each gets exactly one
@@ -341,7 +349,8 @@ PLACEHOLDER = "@@HOSTILE@@"
 
 def _with_field(type_: str, path: str) -> dict:
     """A good event of `type_` whose field at `path` (dots) holds the placeholder."""
-    ev: dict = {"type": type_, "audio": f32_b64(np.full(10, 0.1, np.float32))} if type_.startswith("input") else {"type": type_}
+    ev: dict = {"type": type_,
+                "audio": f32_b64(np.full(10, 0.1, np.float32))} if type_.startswith("input") else {"type": type_}
     keys = path.split(".")
     node = ev
     for k in keys[:-1]:
@@ -366,7 +375,8 @@ def hostile_sizes(draw):
         if where == "type":
             return json.dumps({"type": PLACEHOLDER}).replace(f'"{PLACEHOLDER}"', value), {"unknown_event"}
         if where == "event_id":
-            return json.dumps({"type": "session.heartbeat", "event_id": PLACEHOLDER}).replace(f'"{PLACEHOLDER}"', value), {"bad_event"}
+            return json.dumps({"type": "session.heartbeat", "event_id": PLACEHOLDER}).replace(f'"{PLACEHOLDER}"',
+                                                                                              value), {"bad_event"}
         if where == "key" and type_ == "session.update":
             return '{"type": "session.update", "session": {' + value + ': 1}}', {"bad_event"}
         if path == "audio":  # never valid base64 ("aaaa..." is: a real packet, no error)
@@ -398,7 +408,8 @@ def hostile_session(stack, feeder):
 @settings(max_examples=80, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=hostile_sizes())
-def test_huge_strings_big_numbers_and_deep_nesting_get_short_typed_errors(stack, feeder, baseline, hostile_session, case):
+def test_huge_strings_big_numbers_and_deep_nesting_get_short_typed_errors(stack, feeder, baseline, hostile_session,
+                                                                          case):
     """Each hostile size is one short `invalid_request_error` (the value is never echoed whole) and
     the session goes on; memory and other sessions are checked by the next test."""
     message, codes = case
@@ -411,7 +422,8 @@ def test_huge_strings_big_numbers_and_deep_nesting_get_short_typed_errors(stack,
     hostile_session.keep_flowing()
 
 
-def test_after_hostile_sizes_the_session_works_memory_is_bounded_and_nothing_leaked(stack, feeder, baseline, hostile_session):
+def test_after_hostile_sizes_the_session_works_memory_is_bounded_and_nothing_leaked(stack, feeder, baseline,
+                                                                                    hostile_session):
     report("hostile")
     assert COUNTS.get("hostile", 0) >= 60
     hostile_session.works()
@@ -520,15 +532,18 @@ def test_talker_refuses_hostile_voices_itself(stack, checkpoint, baseline):
     """Defence in depth: straight to the talker's gRPC port (no gateway), traversal names that
     point at real decoy voice files are INVALID_ARGUMENT with error-kind bad_voice, no slot taken."""
     talker = stack.cell_procs[0].talker.address
-    names = ["../x.pt", "../../x.pt", "sub/y.pt", str(checkpoint / "x.pt"), "..pt", "NATF2.pt\x00", "..\\x.pt", "N" * 300 + ".pt"]
+    names = ["../x.pt", "../../x.pt", "sub/y.pt", str(checkpoint / "x.pt"), "..pt", "NATF2.pt\x00", "..\\x.pt",
+             "N" * 300 + ".pt"]
     with grpc.insecure_channel(talker) as ch:
         stub = talker_pb2_grpc.TalkerStub(ch)
         for i, name in enumerate(names):
-            req = talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(stream=common_pb2.StreamOpen(stream_id=f"hostile-{i}"), voice=name))
+            stream = common_pb2.StreamOpen(stream_id=f"hostile-{i}")
+            req = talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(stream=stream, voice=name))
             with pytest.raises(grpc.RpcError) as e:
                 for _ in stub.Talk(iter([req]), timeout=30):
                     pass
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and dict(e.value.trailing_metadata() or ()).get(ERROR_KIND_KEY) == "bad_voice", (name, e.value)
+            kind = dict(e.value.trailing_metadata() or ()).get(ERROR_KIND_KEY)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and kind == "bad_voice", (name, e.value)
     assert_nothing_leaked(stack, baseline)
 
 
@@ -544,7 +559,8 @@ def test_api_chat_query_params_are_checked_too(stack, feeder, baseline):
     cases = [({"voice_prompt": v}, "invalid_voice") for v in HOSTILE_VOICES if len(v) < 1000]
     cases += [({"voice_prompt": "NATF2.pt\x00"}, "invalid_voice"),
               ({"text_prompt": "x" * (MAX_INSTRUCTIONS + 1)}, "bad_event"),
-              ({"text_prompt": " ".join(["You are patient and kind."] * 150)[:MAX_INSTRUCTIONS]}, "invalid_instructions"),
+              ({"text_prompt": " ".join(["You are patient and kind."] * 150)[:MAX_INSTRUCTIONS]},
+               "invalid_instructions"),
               ({"seed": "-1"}, "bad_event")]
     for query, code in cases:
         with pytest.raises(InvalidStatus) as e:
@@ -566,8 +582,11 @@ def test_api_chat_query_params_are_checked_too(stack, feeder, baseline):
 native_bad = st.one_of(
     st.text(max_size=40).map(lambda t: (t, "bad_event")),  # text frames on a binary protocol
     st.just((b"", "bad_event")),
-    st.tuples(st.integers(0, 255).filter(lambda k: k != 1), st.binary(max_size=40)).map(lambda t: (bytes([t[0]]) + t[1], "unknown_event")),
-    st.binary(min_size=27, max_size=200).filter(lambda b: not b.startswith(b"OggS")).map(lambda b: (b"\x01" + b, "bad_audio")),
+    st.tuples(st.integers(0, 255).filter(lambda k: k != 1), st.binary(max_size=40))
+    .map(lambda t: (bytes([t[0]]) + t[1], "unknown_event")),
+    st.binary(min_size=27, max_size=200).filter(lambda b: not b.startswith(b"OggS"))
+    .map(lambda b: (b"\x01" + b, "bad_audio")),
+
 )
 
 

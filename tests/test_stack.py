@@ -52,7 +52,8 @@ class RunStack:
     def __init__(self, checkpoint: Path):
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.run_stack", "--checkpoint", str(checkpoint), "--cells", "2", "--sessions", "2",
+            [sys.executable, "-m", "tools.run_stack", "--checkpoint", str(checkpoint), "--cells", "2", "--sessions",
+             "2",
              "--port", str(self.port), "--talker-tick-ms", str(TICK_S * 1000),
              "--gateway-args", "--stall-timeout 30 --open-timeout 120 --cleanup-timeout 20"],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -113,7 +114,8 @@ def test_run_stack_prints_urls_and_the_client_round_trips_a_wav(run_stack, tmp_p
         w.setnchannels(2), w.setsampwidth(2), w.setframerate(16000)
         w.writeframes(np.stack([x, x], 1).tobytes())
     out = tmp_path / "out.wav"
-    r = subprocess.run([sys.executable, "-m", "tools.client", "--url", run_stack.ws_url, "--input", str(src), "--output", str(out),
+    r = subprocess.run([sys.executable, "-m", "tools.client", "--url", run_stack.ws_url, "--input", str(src),
+                        "--output", str(out),
                         "--voice", "NATF2.pt", "--persona", "You are a calm guide."],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -204,11 +206,14 @@ async def test_sessions_spread_over_cells_and_a_killed_cell_fails_only_its_sessi
     alive = [s for s, r in zip((s1, s2), results) if r[0] == "alive"]
     assert len(failed) == 1 and len(alive) == 1, results
     (victim, (err, after_s)) = failed[0]
-    assert err["error"]["type"] == "server_error" and err["error"]["code"] in ("runtime_stream_failed", "runtime_append_failed")
+    assert err["error"]["type"] == "server_error" and err["error"]["code"] in ("runtime_stream_failed",
+                                                                               "runtime_append_failed")
     assert after_s < 1.0, f"typed error after {after_s:.2f}s"
     survivor = alive[0]
     # The dead session's streams in the surviving stages of its cell are closed too.
-    assert await eventually(lambda: _active(run_stack, 0, "encoder") == 0), "cell 0 encoder still holds the dead session"
+    assert await eventually(lambda: _active(run_stack, 0, "encoder") == 0), \
+        "cell 0 encoder still holds the dead session"
+
 
     # New sessions go to the surviving cell only; with it full, the next is refused.
     await asyncio.sleep(1.0)  # one capacity poll notices the dead talker

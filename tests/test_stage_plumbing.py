@@ -76,7 +76,9 @@ def toy_service(slots: int = 4, **cfg) -> tuple[CodecService, ToyCodec]:
         step=codec.step, reset=codec.reset, in_shape=(FRAME,), in_dtype=torch.float32,
         parse_frame=lambda f: parse_pcm(f, FRAME),
         opened=lambda slot: encoder_pb2.EncodeResponse(opened=encoder_pb2.EncodeResponse.Opened(slot=slot)),
-        answer=lambda seq, codes: encoder_pb2.EncodeResponse(codes=common_pb2.CodesFrame(seq=seq, codes=codes.tolist())),
+        answer=lambda seq, codes: encoder_pb2.EncodeResponse(
+            codes=common_pb2.CodesFrame(seq=seq, codes=codes.tolist())),
+
         servicer_cls=EncoderServicer, add_servicer=encoder_pb2_grpc.add_EncoderServicer_to_server,
         service_name=SERVICE_NAME,
     )
@@ -235,7 +237,8 @@ async def test_slot_freed_only_after_in_flight_step_and_reused_fresh(toy):
     await call2.done_writing()
 
 
-@pytest.mark.parametrize("bad_seq,code", [(0, grpc.StatusCode.INVALID_ARGUMENT), (5, grpc.StatusCode.FAILED_PRECONDITION)])
+@pytest.mark.parametrize("bad_seq,code",
+                         [(0, grpc.StatusCode.INVALID_ARGUMENT), (5, grpc.StatusCode.FAILED_PRECONDITION)])
 async def test_bad_seq_refused_without_processing(toy, bad_seq, code):
     service, codec, _, stub = toy
     other, _ = await open_stream(stub, "bystander")
@@ -260,13 +263,15 @@ async def test_bad_seq_refused_without_processing(toy, bad_seq, code):
 @pytest.mark.parametrize(
     "first,second,code,words",
     [
-        (encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=0)), None, grpc.StatusCode.INVALID_ARGUMENT, "must be `open`"),
+        (encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=0)), None, grpc.StatusCode.INVALID_ARGUMENT,
+         "must be `open`"),
         (open_req(""), None, grpc.StatusCode.INVALID_ARGUMENT, "stream id"),
         (open_req("x" * 129), None, grpc.StatusCode.INVALID_ARGUMENT, "stream id"),
         (open_req("bad"), open_req("bad"), grpc.StatusCode.INVALID_ARGUMENT, "already open"),
         (open_req("bad"), pcm_frame(0, np.zeros(100, np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "400 bytes"),
         (open_req("bad"), pcm_frame(0, np.full(FRAME, np.nan, np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
-        (open_req("bad"), pcm_frame(0, np.full(FRAME, np.inf, np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "NaN or infinite"),
+        (open_req("bad"), pcm_frame(0, np.full(FRAME, np.inf, np.float32)), grpc.StatusCode.INVALID_ARGUMENT,
+         "NaN or infinite"),
     ],
 )
 async def test_bad_input_typed_errors(toy, first, second, code, words):
@@ -344,7 +349,8 @@ async def test_drain_is_refused_when_no_admin_token_is_configured(monkeypatch):
     await service.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await encoder_pb2_grpc.EncoderStub(channel).Drain(common_pb2.DrainRequest(), metadata=(("authorization", "Bearer "),))
+            await encoder_pb2_grpc.EncoderStub(channel).Drain(common_pb2.DrainRequest(),
+                                                              metadata=(("authorization", "Bearer "),))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "disabled" in e.value.details()
     await service.stop()
 
@@ -384,7 +390,8 @@ async def test_a_stream_that_sends_nothing_is_ended_at_the_idle_bound_on_its_own
         idle, _ = await open_stream(stub, "idle")
         link = stub.EncodeLink()
         entry = encoder_pb2.EncodeLinkRequest.Entry
-        await link.write(encoder_pb2.EncodeLinkRequest(entries=[entry(stream_id="idle-on-link", request=open_req("idle-on-link"))]))
+        await link.write(encoder_pb2.EncodeLinkRequest(entries=[entry(stream_id="idle-on-link",
+                                                                      request=open_req("idle-on-link"))]))
         opened = await link.read()
         assert opened.entries[0].response.WhichOneof("kind") == "opened"
         frames = frames_for(12, 4)
@@ -426,7 +433,9 @@ async def test_metrics_endpoint(toy):
     with pytest.raises(grpc.aio.AioRpcError):
         await bad.read()
     url = f"http://127.0.0.1:{service.metrics_port}/metrics"
-    text = (await asyncio.get_running_loop().run_in_executor(None, lambda: urllib.request.urlopen(url, timeout=5).read())).decode()
+    body = await asyncio.get_running_loop().run_in_executor(None, lambda: urllib.request.urlopen(url, timeout=5).read())
+    text = body.decode()
+
     for line in [
         'duplex_stage_frames_in_total{stage="encoder"} 2.0',
         'duplex_stage_frames_out_total{stage="encoder"} 2.0',
@@ -442,7 +451,8 @@ async def test_metrics_endpoint(toy):
 def test_procs_reports_a_failed_start_with_its_stderr():
     # A module that cannot start (fast: no torch import); the error carries the process's stderr.
     proc = ServiceProcess("services.no_such_stage", ready_timeout=60)
-    with pytest.raises(ServiceStartError, match="(?s)exited with code 1 before serving.*No module named services.no_such_stage"):
+    with pytest.raises(ServiceStartError,
+                       match="(?s)exited with code 1 before serving.*No module named services.no_such_stage"):
         proc.start()
     proc.close()
     assert proc.proc.returncode == 1

@@ -76,13 +76,15 @@ class Result:
         return np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
 
 
-async def converse(url: str, samples: np.ndarray, *, voice: str = "", persona: str | None = None, api_key: str | None = None,
+async def converse(url: str, samples: np.ndarray, *, voice: str = "", persona: str | None = None,
+                   api_key: str | None = None,
                    pace_s: float = FRAME / SAMPLE_RATE, close_timeout_s: float = 30.0, on_text=None) -> Result:
     """One session: send `samples` paced, collect the output until session.closed."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = Result()
     async with connect(url, additional_headers=headers, max_size=None) as ws:
-        session = {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE}, "turn_detection": None}}}
+        session = {"type": "realtime",
+                   "audio": {"input": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE}, "turn_detection": None}}}
         if voice:
             session["voice"] = voice
         if persona is not None:
@@ -96,7 +98,8 @@ async def converse(url: str, samples: np.ndarray, *, voice: str = "", persona: s
                 t = ev["type"]
                 result.events.append(t)
                 if t in ("response.output_audio.delta", "response.audio.delta"):
-                    result.audio.append(np.frombuffer(base64.b64decode(ev["delta"]), "<i2").astype(np.float32) / 32768.0)
+                    result.audio.append(np.frombuffer(base64.b64decode(ev["delta"]), "<i2").astype(np.float32)
+                                        / 32768.0)
                 elif t in ("response.output_audio_transcript.delta", "response.audio_transcript.delta"):
                     result.text.append(ev["delta"])
                     if on_text and ev["delta"]:
@@ -122,7 +125,8 @@ async def converse(url: str, samples: np.ndarray, *, voice: str = "", persona: s
                 if closed.is_set():
                     break
                 chunk = (np.clip(samples[off : off + FRAME], -1, 1) * 32767).round().astype("<i2").tobytes()
-                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}))
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(chunk).decode()}))
                 # Paced against the start time: a late send never causes a catch-up burst of more than one packet.
                 await asyncio.sleep(max(0.0, start + (i + 1) * pace_s - time.monotonic()))
             if not closed.is_set():
@@ -131,7 +135,8 @@ async def converse(url: str, samples: np.ndarray, *, voice: str = "", persona: s
             await asyncio.wait_for(receiver, close_timeout_s)
         except asyncio.TimeoutError:
             receiver.cancel()
-            result.errors.append({"type": "client_error", "code": "close_timeout", "message": "no session.closed in time"})
+            result.errors.append({"type": "client_error", "code": "close_timeout",
+                                  "message": "no session.closed in time"})
     return result
 
 
@@ -142,28 +147,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="out.wav", help="WAV file for the model's audio")
     p.add_argument("--voice", default="", help="bundled voice prompt, e.g. NATF2.pt")
     p.add_argument("--persona", default=None, help="the persona text (instructions)")
-    p.add_argument("--api-key-env", default="PERSONAPLEX_GATEWAY_API_KEY", help="environment variable with the bearer key")
+    p.add_argument("--api-key-env", default="PERSONAPLEX_GATEWAY_API_KEY",
+                   help="environment variable with the bearer key")
     p.add_argument("--mic", action="store_true", help="live microphone (not available: no sound library)")
     a = p.parse_args(argv)
     if a.mic:
-        print("--mic is not available: this project ships no sound-device library; use --input FILE.wav", file=sys.stderr)
+        print("--mic is not available: this project ships no sound-device library; use --input FILE.wav",
+              file=sys.stderr)
         return 2
     if not a.input:
         p.error("--input is required")
     samples = read_wav(a.input, say=lambda m: print(m, file=sys.stderr))
     print(f"sending {samples.size / SAMPLE_RATE:.1f}s of audio to {a.url} ...", file=sys.stderr)
     t0 = time.monotonic()
-    result = asyncio.run(converse(a.url, samples, voice=a.voice, persona=a.persona, api_key=os.environ.get(a.api_key_env),
+    result = asyncio.run(converse(a.url, samples, voice=a.voice, persona=a.persona,
+                                  api_key=os.environ.get(a.api_key_env),
                                   on_text=lambda t: print(t, end="", flush=True)))
     print()
     for e in result.errors:
         print(f"error: {e.get('type')}/{e.get('code')}: {e.get('message')}", file=sys.stderr)
     out = result.samples
     write_wav(a.output, out)
-    print(f"wrote {out.size / SAMPLE_RATE:.1f}s of audio ({len(result.audio)} frames) to {a.output} in {time.monotonic() - t0:.1f}s; "
+    print(f"wrote {out.size / SAMPLE_RATE:.1f}s of audio ({len(result.audio)} frames) to {a.output} in "
+          f"{time.monotonic() - t0:.1f}s; "
           f"transcript: {''.join(result.text)!r}", file=sys.stderr)
     if result.closed:
-        print(f"server-side frame latency (input frame in -> its output out): {result.closed.get('frame_latency')}", file=sys.stderr)
+        print(f"server-side frame latency (input frame in -> its output out): {result.closed.get('frame_latency')}",
+              file=sys.stderr)
     return 1 if result.errors else 0
 
 

@@ -95,7 +95,8 @@ def _voice_codes(seed: int, name: str, frames: int, card: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def build_random_checkpoint(preset: str = "tiny", seed: int = 0, device: str | torch.device = "cpu") -> RandomCheckpoint:
+def build_random_checkpoint(preset: str = "tiny", seed: int = 0,
+                            device: str | torch.device = "cpu") -> RandomCheckpoint:
     """All parts of a random checkpoint, in memory (on `device`; the full LM in bf16)."""
     lm_cfg, mimi_cfg = _configs(preset)
     dtype = torch.float32 if preset == "tiny" else torch.bfloat16

@@ -64,7 +64,8 @@ def health_status(address: str, service: str = "", timeout: float = 1.0) -> int 
     """The grpc.health.v1 status of `service` at `address`, or None if it does not answer."""
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout)
         except grpc.RpcError:
             return None
         return reply.status
@@ -130,7 +131,8 @@ class ServiceProcess:
                 return self
             if time.monotonic() > self._deadline:
                 self.stop()
-                raise ServiceStartError(f"{self.module} not SERVING on {self.address} after {self.ready_timeout:g}s:\n{self.stderr_tail()}")
+                raise ServiceStartError(f"{self.module} not SERVING on {self.address} after "
+                                        f"{self.ready_timeout:g}s:\n{self.stderr_tail()}")
             time.sleep(0.1)
 
     def start(self) -> "ServiceProcess":

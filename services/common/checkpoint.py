@@ -92,7 +92,8 @@ class CheckpointPaths:
     def resolve_voice(self, name: str) -> Path:
         """A client's voice name -> the bundled file. Only basenames are ever accepted."""
         if not voice_names.is_bundled(name):
-            raise InvalidVoice(f"voice {str(name)[:80]!r} is not a bundled voice basename (letters, digits, '_' or '-', "
+            raise InvalidVoice(f"voice {str(name)[:80]!r} is not a bundled voice basename "
+                               "(letters, digits, '_' or '-', "
                                f"ending in .pt or an audio suffix: {', '.join(voice_names.AUDIO_SUFFIXES)})")
         path = self.voices_dir / name
         if not path.is_file():
@@ -110,10 +111,12 @@ def load_state_dict_strict(module: nn.Module, state: dict[str, torch.Tensor], wh
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing:
-        raise CheckpointError(f"{what}: missing key {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(f"{what}: missing key {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if unexpected:
         raise CheckpointError(
-            f"{what}: unexpected key {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+            f"{what}: unexpected key {unexpected[0]!r}"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(own[name].shape):

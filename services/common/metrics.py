@@ -19,8 +19,10 @@ covers all three:
 and, once a CUDA stage calls `track_gpu(device)` (absent on CPU), read at scrape time:
 
     duplex_stage_gpu_memory_allocated_bytes{stage}  gauge: torch.cuda.memory_allocated(device) (live tensors)
-    duplex_stage_gpu_memory_reserved_bytes{stage}   gauge: torch.cuda.memory_reserved(device) (held by torch's caching allocator)
-    duplex_stage_gpu_memory_free_bytes{stage}       gauge: torch.cuda.mem_get_info(device)[0] (free on the whole device, as this process sees it)
+    duplex_stage_gpu_memory_reserved_bytes{stage}   gauge: torch.cuda.memory_reserved(device) (held by the
+                                                    caching allocator)
+    duplex_stage_gpu_memory_free_bytes{stage}       gauge: torch.cuda.mem_get_info(device)[0] (free on the whole
+                                                    device, as this process sees it)
 
 A scrape never initializes CUDA (NaN until the process has) and never raises (NaN on any error).
 
@@ -54,15 +56,18 @@ class StageMetrics:
         self.stage = stage
         self.registry = registry or CollectorRegistry()
         r, lab = self.registry, ["stage"]
-        self._step = Histogram("duplex_stage_step_seconds", "Wall time of one batched step", lab, buckets=STEP_BUCKETS, registry=r)
-        self._batch = Histogram("duplex_stage_batch_size", "Streams stepped together in one batch", lab, buckets=BATCH_BUCKETS, registry=r)
+        self._step = Histogram("duplex_stage_step_seconds", "Wall time of one batched step", lab, buckets=STEP_BUCKETS,
+                               registry=r)
+        self._batch = Histogram("duplex_stage_batch_size", "Streams stepped together in one batch", lab,
+                                buckets=BATCH_BUCKETS, registry=r)
         self._active = Gauge("duplex_stage_active_streams", "Streams open now", lab, registry=r)
         self._free = Gauge("duplex_stage_free_slots", "Slots a new stream could take now", lab, registry=r)
         self._fin = Counter("duplex_stage_frames_in", "Frames accepted from clients", lab, registry=r)
         self._fout = Counter("duplex_stage_frames_out", "Frames sent to clients", lab, registry=r)
         self._opened = Counter("duplex_stage_streams_opened", "Streams opened", lab, registry=r)
         self._closed = Counter("duplex_stage_streams_closed", "Streams closed, by reason", lab + ["reason"], registry=r)
-        self._errors = Counter("duplex_stage_errors", "Errors that ended a stream or refused one, by kind", lab + ["kind"], registry=r)
+        self._errors = Counter("duplex_stage_errors", "Errors that ended a stream or refused one, by kind",
+                               lab + ["kind"], registry=r)
         self.step_seconds = self._step.labels(stage)
         self.batch_size = self._batch.labels(stage)
         self.frames_in = self._fin.labels(stage)
@@ -70,7 +75,8 @@ class StageMetrics:
         self.streams_opened = self._opened.labels(stage)
         links = Counter("duplex_stage_links_opened", "Link RPCs opened", lab, registry=r)
         messages = Counter("duplex_stage_link_messages", "Link messages", lab + ["direction"], registry=r)
-        entries = Counter("duplex_stage_link_entries", "Session entries in link messages", lab + ["direction"], registry=r)
+        entries = Counter("duplex_stage_link_entries", "Session entries in link messages", lab + ["direction"],
+                          registry=r)
         self.links_opened = links.labels(stage)
         self.link_messages_in, self.link_messages_out = messages.labels(stage, "in"), messages.labels(stage, "out")
         self.link_entries_in, self.link_entries_out = entries.labels(stage, "in"), entries.labels(stage, "out")
@@ -93,9 +99,12 @@ class StageMetrics:
         if not hasattr(self, "_gpu_gauges"):
             r, lab = self.registry, ["stage"]
             self._gpu_gauges = (
-                Gauge("duplex_stage_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated: bytes in live tensors", lab, registry=r),
-                Gauge("duplex_stage_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved: bytes held by the caching allocator", lab, registry=r),
-                Gauge("duplex_stage_gpu_memory_free_bytes", "torch.cuda.mem_get_info()[0]: free bytes on the device", lab, registry=r),
+                Gauge("duplex_stage_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated: bytes in live tensors",
+                      lab, registry=r),
+                Gauge("duplex_stage_gpu_memory_reserved_bytes",
+                      "torch.cuda.memory_reserved: bytes held by the caching allocator", lab, registry=r),
+                Gauge("duplex_stage_gpu_memory_free_bytes", "torch.cuda.mem_get_info()[0]: free bytes on the device",
+                      lab, registry=r),
             )
         readers = (
             lambda: torch.cuda.memory_allocated(dev),

@@ -19,9 +19,11 @@ class SequenceChecker:
     def check(self, seq: int) -> None:
         """Raise SeqRepeated / SeqGap unless `seq` is exactly the expected one."""
         if seq < self.expected:
-            raise SeqRepeated(f"frame seq {seq} was already received (expected {self.expected}); it is not processed twice")
+            raise SeqRepeated(f"frame seq {seq} was already received (expected {self.expected}); it is not processed "
+                              "twice")
         if seq > self.expected:
-            raise SeqGap(f"frame seq {seq} skips ahead: expected {self.expected} ({seq - self.expected} frame(s) missing)")
+            raise SeqGap(f"frame seq {seq} skips ahead: expected {self.expected} ({seq - self.expected} frame(s) "
+                         "missing)")
 
     def advance(self) -> None:
         self.expected += 1

@@ -21,12 +21,12 @@ for the generated servicer classes). Drain is an admin RPC: it needs the metadat
 environment variable; with none set, Drain is refused (UNAUTHENTICATED) and SIGTERM is the
 only way to drain. `Drain(cancel=true)` un-drains: admission and health come back.
 
-StageServer: the process around them: a grpc.aio server, standard
-grpc.health.v1 health (SERVING; NOT_SERVING once draining, except the name
-"liveness", which stays SERVING until exit) and server reflection, the Prometheus /metrics endpoint, and SIGTERM/SIGINT = drain (stop
-admitting, let streams run until the deadline, end the rest with UNAVAILABLE,
-exit). It deliberately sets no `maximum_concurrent_rpcs`: a full service must
-still answer health checks and GetCapacity; admission is the slot pool's job.
+StageServer: the process around them: a grpc.aio server, standard grpc.health.v1 health (SERVING;
+NOT_SERVING once draining, except the name "liveness", which stays SERVING until exit) and server
+reflection, the Prometheus /metrics endpoint, and SIGTERM/SIGINT = drain (stop admitting, let
+streams run until the deadline, end the rest with UNAVAILABLE, exit). It deliberately sets no
+`maximum_concurrent_rpcs`: a full service must still answer health checks and GetCapacity; admission
+is the slot pool's job.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class StageRuntime:
         self.streams[stream_id] = handle
         self._idle.clear()
         self.metrics.streams_opened.inc()
-        self.log.info("open  stream=%s slot=%d active=%d free=%d", stream_id, slot, len(self.streams), self.pool.free_count)
+        self.log.info("open  stream=%s slot=%d active=%d free=%d", stream_id, slot, len(self.streams),
+                      self.pool.free_count)
         return handle
 
     def close_stream(self, handle: StreamHandle, reason: str) -> None:
@@ -171,7 +172,8 @@ class StageRuntime:
         self.metrics.stream_closed(reason)
         self.log.info(
             "close stream=%s slot=%d reason=%s frames=%d secs=%.1f active=%d",
-            handle.stream_id, handle.slot, reason, handle.frames, time.monotonic() - handle.opened_at, len(self.streams),
+            handle.stream_id, handle.slot, reason, handle.frames, time.monotonic() - handle.opened_at,
+            len(self.streams),
         )
 
     @contextlib.asynccontextmanager
@@ -213,12 +215,14 @@ class StageRuntime:
         sent = dict(context.invocation_metadata() or ()).get("authorization", "")
         scheme, _, token = sent.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.admin_token.encode()):
-            raise Unauthenticated(f"{self.stage}: Drain needs 'authorization: Bearer <{ADMIN_TOKEN_ENV}>'", kind="bad_admin_token")
+            raise Unauthenticated(f"{self.stage}: Drain needs 'authorization: Bearer <{ADMIN_TOKEN_ENV}>'",
+                                  kind="bad_admin_token")
 
     async def undrain(self) -> common_pb2.DrainResponse:
         """Cancel a drain: admit again, and no pending deadline ends a stream (ended ones stay ended)."""
         if self.stopping:
-            raise FailedPrecondition(f"{self.stage} is shutting down (SIGTERM): it cannot be un-drained", kind="stopping")
+            raise FailedPrecondition(f"{self.stage} is shutting down (SIGTERM): it cannot be un-drained",
+                                     kind="stopping")
         for task in list(self._drain_timers):
             task.cancel()
         if self.draining:
@@ -246,7 +250,8 @@ class StageRuntime:
     async def _end_streams_after(self, deadline_s: float) -> None:
         await asyncio.sleep(deadline_s)
         for handle in list(self.streams.values()):
-            handle.kill(Unavailable(f"{self.stage} drained: the stream outlived the {deadline_s:g}s drain deadline", kind="drained"))
+            handle.kill(Unavailable(f"{self.stage} drained: the stream outlived the {deadline_s:g}s drain deadline",
+                                    kind="drained"))
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """True once no stream is live (False on timeout)."""
@@ -314,7 +319,8 @@ class StageServer:
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
-        bound = self.server.add_insecure_port(f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}")
+        bound = self.server.add_insecure_port(f"[{self.host}]:{self.port}" if ":" in self.host
+                                              else f"{self.host}:{self.port}")
         if bound == 0:
             raise OSError(f"{self.runtime.stage}: cannot bind gRPC port {self.host}:{self.port}")
         self.port = bound
@@ -351,7 +357,8 @@ class StageServer:
         await self.runtime.drain(deadline_s)
         # The deadline kills streams at their next read; give them a moment to say so to their clients.
         idle = await self.runtime.wait_idle(deadline_s + 2.0 if deadline_s > 0 else None)
-        self.runtime.log.info("drained (%s); stopping", "all streams ended" if idle else f"{len(self.runtime.streams)} still live")
+        self.runtime.log.info("drained (%s); stopping",
+                              "all streams ended" if idle else f"{len(self.runtime.streams)} still live")
         await self.stop(grace=1.0)
 
     async def serve_until_signal(self) -> None:

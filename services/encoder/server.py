@@ -21,7 +21,8 @@ def parse_pcm(frame: common_pb2.PcmFrame, frame_size: int) -> torch.Tensor:
     data = frame.pcm_f32le
     if len(data) != 4 * frame_size:
         raise InvalidArgument(
-            f"frame seq {frame.seq}: pcm_f32le has {len(data)} bytes, expected {4 * frame_size} ({frame_size} float32 samples)",
+            f"frame seq {frame.seq}: pcm_f32le has {len(data)} bytes, expected {4 * frame_size} ({frame_size} float32 "
+            "samples)",
             kind="bad_frame",
         )
     pcm = np.frombuffer(data, dtype="<f4")
@@ -52,7 +53,9 @@ def build(cfg: EncoderConfig) -> CodecService:
         in_dtype=torch.float32,
         parse_frame=lambda frame: parse_pcm(frame, frame_size),
         opened=lambda slot: encoder_pb2.EncodeResponse(opened=encoder_pb2.EncodeResponse.Opened(slot=slot)),
-        answer=lambda seq, codes: encoder_pb2.EncodeResponse(codes=common_pb2.CodesFrame(seq=seq, codes=codes.tolist())),
+        answer=lambda seq, codes: encoder_pb2.EncodeResponse(
+            codes=common_pb2.CodesFrame(seq=seq, codes=codes.tolist())),
+
         servicer_cls=EncoderServicer,
         add_servicer=encoder_pb2_grpc.add_EncoderServicer_to_server,
         service_name=SERVICE_NAME,

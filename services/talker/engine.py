@@ -53,7 +53,8 @@ from services.talker.sampling import InvalidSampling, RowParams, SamplingParams,
 from services.talker.voices import RING, VoicePrompt, load_voice
 from services.common.frame import CODEBOOKS as AGENT_CODEBOOKS
 
-__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling", "InvalidVoice",
+__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling",
+           "InvalidVoice",
            "ALIGNMENTS"]
 
 log = logging.getLogger("talker.engine")
@@ -233,11 +234,12 @@ class TalkerEngine:
                  context: int | None = None, kv_dtype: torch.dtype | None = None, kv_fp8: bool = False,
                  voices: dict[str, VoicePrompt] | None = None, cuda_graph: bool = False,
                  alignment: str = "personaplex"):
-        """context: the model's context C (default: the checkpoint's); the attention window and KV ring
-        are C-1 frames with alignment "personaplex", C with "moshi" (module doc). kv_fp8: store the ring as
-        fp8 with per-vector scales. cuda_graph: replay the device part of step() as a captured CUDA
-        graph (one per distinct top-k bound, captured on first use) instead of launching it eagerly. `voices` adds in-memory voices by name ("NATF2.pt"), e.g. from
-        tools.make_checkpoint.build_random_checkpoint on a GPU; others come from paths.voices_dir."""
+        """context: the model's context C (default: the checkpoint's); the attention window and KV ring are
+        C-1 frames with alignment "personaplex", C with "moshi" (module doc). kv_fp8: store the ring as fp8
+        with per-vector scales. cuda_graph: replay the device part of step() as a captured CUDA graph (one
+        per distinct top-k bound, captured on first use) instead of launching it eagerly. `voices` adds
+        in-memory voices by name ("NATF2.pt"), e.g. from tools.make_checkpoint.build_random_checkpoint on a
+        GPU; others come from paths.voices_dir."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if model.dep_steps < AGENT_CODEBOOKS:
@@ -298,7 +300,8 @@ class TalkerEngine:
         self.graph_top_k = (min(GRAPH_TEXT_TOP_K, self.text_card), self.card) if cuda_graph else None
         self._graphs: dict[tuple[int, int], tuple] = {}  # (text max_k, audio max_k) -> graph, inputs, outputs
         # Events around each step replay: the step's GPU time, apart from the host's (last_step_device_s).
-        self._replay_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda_graph else None
+        self._replay_events = (torch.cuda.Event(enable_timing=True),
+                               torch.cuda.Event(enable_timing=True)) if cuda_graph else None
         self._replayed = False  # whether the last step() ran the graph (an all-idle step does not)
         # With cuda_graph, a prefill chunk too is one graph replay (captured by warmup): eagerly it is
         # a few thousand kernel launches, tens of ms of host time.
@@ -399,7 +402,8 @@ class TalkerEngine:
         # Checked where the caller's tensor lives (the host, normally): no device sync per step.
         bad = ((user_codes < 0) | (user_codes >= self.card)) & active[:, None]
         if bool(bad.any()):
-            raise ValueError(f"user codes must be in [0, {self.card}), slots {bad.any(1).nonzero().flatten().tolist()} are not")
+            raise ValueError(f"user codes must be in [0, {self.card}), slots {bad.any(1).nonzero().flatten().tolist()} "
+                             "are not")
         if not any(act_list):  # nothing to advance: skip the model entirely
             none = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=dev)
             return StepResult(none[:, 0], none[:, 1:], torch.zeros(S, dtype=torch.bool, device=dev))
@@ -614,7 +618,8 @@ class TalkerEngine:
                 raise InvalidVoice(f"voice {name!r} is not available (no checkpoint directory)")
             path = self.paths.resolve_voice(name)  # InvalidVoice for anything but a bundled basename
             self._voice_files[name] = load_voice(path, self.cfg.dim, self.cfg.delays, self.text_card, self.card)
-            log.info("voice %s loaded: %d frames (its KV is computed once, on first use)", name, self._voice_files[name].frames)
+            log.info("voice %s loaded: %d frames (its KV is computed once, on first use)", name,
+                     self._voice_files[name].frames)
         if name not in self._voice_kv:
             self._voice_kv[name] = _VoicePrefix(self, self._voice_files[name])
         return self._voice_kv[name]

@@ -9,7 +9,8 @@
     duplex_talker_frames_skipped_total    counter: live sessions left unstepped at a tick for want of input
     duplex_talker_catch_up_steps_total    counter: extra batched steps run for sessions with a backlog
     duplex_talker_catch_up_steps_forced_total  counter: ... of them run although they did not fit the period
-    duplex_talker_sessions_behind         histogram: per tick, sessions with frames from before the main step still queued after it
+    duplex_talker_sessions_behind         histogram: per tick, sessions with frames from before the main step
+                                          still queued after it
     duplex_talker_slow_ticks_total{cause} counter: ticks over the period, by what they held (SLOW_CAUSES)
     duplex_talker_ticks_dropped_total     counter: periods with no tick (the clock was a whole period behind)
     duplex_talker_step_part_seconds{part} histogram: where a step's wall time goes (STEP_PARTS)
@@ -53,9 +54,12 @@ class TalkerMetrics:
     def __init__(self, stage: StageMetrics):
         self.stage = stage
         r = stage.registry
-        self.tick_duration = Histogram("duplex_talker_tick_seconds", "From a tick's deadline to its last step's outputs (input wait, main and catch-up steps)",
+        self.tick_duration = Histogram("duplex_talker_tick_seconds",
+                                       "From a tick's deadline to its last step's outputs (input wait, main and "
+                                       "catch-up steps)",
                                        buckets=TICK_BUCKETS, registry=r)
-        self.tick_lateness = Histogram("duplex_talker_tick_lateness_seconds", "How late a tick started after its deadline",
+        self.tick_lateness = Histogram("duplex_talker_tick_lateness_seconds",
+                                       "How late a tick started after its deadline",
                                        buckets=LATENESS_BUCKETS, registry=r)
         self.prefill_duration = Histogram("duplex_talker_prefill_seconds", "Open to prompt-in-slot, wall time",
                                           buckets=PREFILL_BUCKETS, registry=r)
@@ -83,8 +87,9 @@ class TalkerMetrics:
                                        "Catch-up steps run although they did not fit before the deadline (a session "
                                        "catch_up_lag_frames or more behind)", registry=r)
         self.sessions_behind = Histogram("duplex_talker_sessions_behind",
-                                         "Per tick: sessions with frames from before the main step still queued after it "
-                                         "(a frame behind or more)",
+                                         "Per tick: sessions with frames from before the main step still queued "
+                                         "after it (a frame behind or more)",
+
                                          buckets=SESSIONS_BUCKETS, registry=r)
         self.slow_ticks = Counter("duplex_talker_slow_ticks", "Ticks longer than the period, by what they held",
                                   ["cause"], registry=r)

@@ -170,7 +170,8 @@ class DepformerAttention(nn.Module):
     def __init__(self, cfg: LMConfig, steps: int, device=None, dtype=None):
         super().__init__()
         self.heads, self.steps = cfg.dep_heads, steps
-        self.in_proj_weight = nn.Parameter(torch.empty(steps * 3 * cfg.dep_dim, cfg.dep_dim, device=device, dtype=dtype))
+        self.in_proj_weight = nn.Parameter(torch.empty(steps * 3 * cfg.dep_dim, cfg.dep_dim, device=device,
+                                                       dtype=dtype))
         self.out_proj = Weight(steps * cfg.dep_dim, cfg.dep_dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cb: int, cache: DepformerCache, layer: int) -> torch.Tensor:
@@ -189,7 +190,8 @@ class DepformerLayer(nn.Module):
         self.norm1 = RMSNorm(cfg.dep_dim, cfg.norm_eps, device=device, dtype=dtype)
         self.self_attn = DepformerAttention(cfg, steps, device=device, dtype=dtype)
         self.norm2 = RMSNorm(cfg.dep_dim, cfg.norm_eps, device=device, dtype=dtype)
-        self.gating = nn.ModuleList(Gating(cfg.dep_dim, cfg.dep_hidden, device=device, dtype=dtype) for _ in range(steps))
+        self.gating = nn.ModuleList(Gating(cfg.dep_dim, cfg.dep_hidden, device=device, dtype=dtype)
+                                    for _ in range(steps))
 
     def forward(self, x, cb, cache, layer):
         x = x + self.self_attn(self.norm1(x), cb, cache, layer)
@@ -324,10 +326,13 @@ class LMModel(nn.Module):
         check=False skips the id range check (a host sync) for callers that validated already."""
         cfg = self.cfg
         if tokens.dim() != 3 or tokens.shape[-1] != cfg.num_streams or tokens.dtype != torch.long:
-            raise ValueError(f"tokens must be a LongTensor[B, T, {cfg.num_streams}], got {tuple(tokens.shape)} {tokens.dtype}")
+            raise ValueError(f"tokens must be a LongTensor[B, T, {cfg.num_streams}], got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
         text, audio = tokens[..., 0], tokens[..., 1:]
         # An out-of-range id would be a device-side assert on GPU, killing every session: refuse it here.
-        if check and tokens.numel() and (int(tokens.min()) < -1 or int(text.max()) > cfg.text_card or int(audio.max()) > cfg.card):
+        if check and tokens.numel() and (int(tokens.min()) < -1 or int(text.max()) > cfg.text_card
+                                         or int(audio.max()) > cfg.card):
+
             raise ValueError(f"token ids must be -1, text 0..{cfg.text_card} or audio 0..{cfg.card}")
         x = embed_or_zero(self.emb[0], audio[..., 0])
         for k in range(1, cfg.n_q):  # audio first, then text: moshi's summation order
@@ -348,7 +353,8 @@ class LMModel(nn.Module):
         window (prefill): every slot has written at most this many positions, unwrapped (KVCache.attend)."""
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim or x.shape[1] < 1:
             raise ValueError(f"x must be [B, T>=1, {self.cfg.dim}], got {tuple(x.shape)}")
-        if (kv.k.shape[0], kv.k.shape[2], kv.k.shape[4]) != (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim):
+        if (kv.k.shape[0], kv.k.shape[2], kv.k.shape[4]) != (self.cfg.num_layers, self.cfg.num_heads,
+                                                             self.cfg.head_dim):
             raise ValueError(f"KV cache of shape {tuple(kv.k.shape)} was not made for this model")
         kv.check_slots(slots)
         if slots.numel() != x.shape[0]:

@@ -47,7 +47,9 @@ def load_voice(path: str | Path, dim: int, delays: tuple[int, ...], text_card: i
         raise InvalidVoice(f"voice {path.name}: expected keys ['cache', 'embeddings'], got {keys}")
     emb, cache = state["embeddings"], state["cache"]
     streams = len(delays)
-    if not isinstance(emb, torch.Tensor) or emb.dim() != 4 or emb.shape[1:] != (1, 1, dim) or not emb.is_floating_point():
+    if (not isinstance(emb, torch.Tensor) or emb.dim() != 4 or emb.shape[1:] != (1, 1, dim)
+            or not emb.is_floating_point()):
+
         raise InvalidVoice(f"voice {path.name}: embeddings must be a float Tensor[N-1, 1, 1, {dim}], "
                            f"got {getattr(emb, 'shape', type(emb).__name__)}")
     if emb.shape[0] < 2:

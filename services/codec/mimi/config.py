@@ -45,7 +45,8 @@ class MimiConfig:
         if self.sample_rate % self.hop_length:
             raise ValueError(f"sample_rate {self.sample_rate} is not a multiple of the SEANet hop {self.hop_length}")
         if abs(self.sample_rate / self.frame_rate - self.frame_size) > 1e-9 or self.frame_size % self.hop_length:
-            raise ValueError(f"frame size {self.sample_rate / self.frame_rate} is not a multiple of the hop {self.hop_length}")
+            raise ValueError(f"frame size {self.sample_rate / self.frame_rate} is not a multiple of the hop "
+                             f"{self.hop_length}")
         if self.dimension % self.num_heads or (self.dimension // self.num_heads) % 2:
             raise ValueError(f"dimension {self.dimension} must split into {self.num_heads} heads of even size")
         if not self.n_q_semantic < self.num_codebooks <= self.n_q:

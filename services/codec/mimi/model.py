@@ -163,7 +163,8 @@ class MimiModel(Prunable, nn.Module):
         if not isinstance(pcm, Tensor) or pcm.dim() != 3 or pcm.shape[1] != 1 or not pcm.is_floating_point():
             raise InvalidFrame(f"encode expects float audio [B, 1, T], got {_describe(pcm)}")
         if pcm.shape[-1] == 0 or pcm.shape[-1] % self.cfg.frame_size:
-            raise InvalidFrame(f"encode expects a positive multiple of {self.cfg.frame_size} samples, got {pcm.shape[-1]}")
+            raise InvalidFrame(f"encode expects a positive multiple of {self.cfg.frame_size} samples, got "
+                               f"{pcm.shape[-1]}")
         if not torch.isfinite(pcm).all():
             raise InvalidFrame("encode got non-finite audio samples")
         x = pcm.to(device=self.device, dtype=self.dtype)
@@ -212,7 +213,8 @@ class MimiModel(Prunable, nn.Module):
         model.to(device=device, dtype=dtype)
         model.quantizer.float()  # codebooks stay fp32: nearest-centroid search is precision-sensitive
         model.eval()
-        log.info("loaded Mimi from %s (%s, %s, %s)", path, device, dtype, "both halves" if keep is None else f"{keep} half only")
+        log.info("loaded Mimi from %s (%s, %s, %s)", path, device, dtype,
+                 "both halves" if keep is None else f"{keep} half only")
         return model
 
     @classmethod

@@ -1,10 +1,10 @@
 """Batched streaming over a fixed number of slots, one 80 ms frame per step.
 
-Each slot is one independent stream (one session). All state lives in tensors preallocated
-at construction (fixed shapes, slot first, reset value zero), so a step is a fixed sequence
-of kernels: on CUDA, `cuda_graph=True` captures it once and replays it (one launch instead of
-a few hundred; the captured step reads the weights and codebook centroids as they were at
-capture, so load weights before the first step). A step runs every slot; `active` selects the slots whose state advances, the
+Each slot is one independent stream (one session). All state lives in tensors preallocated at
+construction (fixed shapes, slot first, reset value zero), so a step is a fixed sequence of kernels:
+on CUDA, `cuda_graph=True` captures it once and replays it (one launch instead of a few hundred; the
+captured step reads the weights and codebook centroids as they were at capture, so load weights
+before the first step). A step runs every slot; `active` selects the slots whose state advances, the
 others keep their state bit for bit. So a step with every slot inactive changes no state: the codec
 services run one before serving (CodecBatcher.warmup) to capture the graph up front.
 

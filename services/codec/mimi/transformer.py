@@ -122,7 +122,8 @@ class MimiTransformer(nn.Module):
         state = [torch.zeros(batch, dtype=torch.long, device=device)]
         for _ in self.transformer.layers:
             for _kv in range(2):
-                state.append(torch.zeros(batch, self.num_heads, self.context, self.head_dim, device=device, dtype=dtype))
+                state.append(torch.zeros(batch, self.num_heads, self.context, self.head_dim, device=device,
+                                         dtype=dtype))
         return state
 
     def forward(self, x: Tensor, state: list[Tensor] | None = None, active: Tensor | None = None) -> Tensor:
