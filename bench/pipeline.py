@@ -77,8 +77,8 @@ class BenchConfig:
     # j/S of a period after the start, as independent users do. "together": all in one burst
     # (lockstep). A burst lands at a place in the talker's tick grid that differs from run to run
     # (start times are not grid-aligned), and whether its frames reach the talker before or after
-    # a deadline decides skipped frames and catch-up steps: at 144 sessions two H200 runs of the
-    # same code gave 99.9 % and 79 % of ticks within 80 ms (bench/results, 2026-11-30).
+    # a deadline decides skipped frames and catch-up steps, so a burst makes runs of the same code
+    # disagree (bench/RESULTS.md).
     send_phases: str = "spread"
     client_procs: int = min(8, max(1, (os.cpu_count() or 2) // 2))
     mps: bool = False

@@ -53,8 +53,8 @@ def test_fp8_ring_reset_copy_and_isolation():
 
 
 def test_zero_and_tiny_vectors_quantize_to_finite_values():
-    """An all-zero key (a padded prefill frame's, in layer 0) once got a scale that underflowed
-    fp16 to 0, and 0 / 0 put NaN in the ring, which masked attention then spread."""
+    """An all-zero key (a padded prefill frame's, in layer 0) must not get a scale that underflows
+    fp16 to 0: 0 / 0 would put NaN in the ring, which masked attention then spreads."""
     x = torch.zeros(3, 4, 128)
     x[1] = 1e-7
     x[2] = torch.randn(4, 128, generator=torch.Generator().manual_seed(0)) * 1e-3

@@ -244,8 +244,8 @@ def test_huge_numbers_and_deep_nesting_are_typed_errors_and_the_session_goes_on(
 
 @pytest.mark.parametrize("seed", ["18446744073709551616", "9223372036854775808", "²", "١٢", "1" * 5000, "-1"])
 def test_api_chat_seed_out_of_range_or_not_ascii_digits_is_a_typed_refusal(stack, feeder, baseline, seed):
-    """The probe's `seed=2**64` and `seed=²` were tracebacks counted as internal errors; now each
-    is refused at the upgrade (HTTP 400, typed JSON error), as on the Realtime path (0 <= seed < 2**63)."""
+    """A seed out of range (`seed=2**64`) or not in ASCII digits (`seed=²`) is refused at the upgrade
+    (HTTP 400, typed JSON error) as on the Realtime path (0 <= seed < 2**63), never a traceback."""
     url = f"ws://{stack.gateway.host}:{stack.gateway.port}/api/chat?" + urllib.parse.urlencode({"seed": seed})
     with pytest.raises(InvalidStatus) as e:
         sync_connect(url, max_size=None, open_timeout=60, legacy=True)
@@ -273,7 +273,7 @@ def raw_http(stack, request: bytes) -> bytes:
     (b"/" + b"a" * 5000, b"404"), (b"/..%2f..%2fetc%2fpasswd", b"404"),
 ])
 def test_control_characters_in_the_path_are_a_4xx_not_a_traceback(stack, feeder, path, status):
-    """`GET /\\x00` was a 500 with a ValueError traceback from the static lookup."""
+    """A control character in the path (`GET /\\x00`) is a 4xx, not a 500 traceback from the static lookup."""
     reply = raw_http(stack, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert reply.split(b" ", 2)[1] == status, reply[:200]
     assert internal_errors(stack) == 0

@@ -2,10 +2,10 @@
 (time.monotonic(), asyncio's loop.time()), which every process on one machine reads alike.
 
 Why: the encoder, talker and decoder of a cell share one GPU, and their kernels slow one another
-down when they overlap (at 160 full-context sessions under MPS the talker's step took 62 ms p50
-beside the codecs, 48 ms alone; bench/results). The talker ticks on this grid, so another process
-can place its own work relative to the talker's deadlines without talking to it: an encoder with
-`step_phase_ms` steps once per period just before them (services/codec/stage.py).
+down when they overlap (the talker's step is slower beside the codecs than alone; bench/RESULTS.md).
+The talker ticks on this grid, so another process can place its own work relative to the talker's
+deadlines without talking to it: an encoder with `step_phase_ms` steps once per period just before
+them (services/codec/stage.py).
 """
 
 from __future__ import annotations

@@ -5,11 +5,9 @@ that serves its gRPC streams. Nearly every torch call (a graph replay, a copy, `
 the GIL and must take it back afterwards; while the loop thread is busy with 160 sessions' messages,
 each take-back waits until the loop thread is made to yield, which CPython does only every
 `sys.getswitchinterval()` (5 ms by default). A step's dozen torch calls then wait tens of ms for
-the GIL alone. `python -m bench.gil_switch` measures it on the 2-core development machine
-(bench/results/gil_switch.json): 20 sub-ms torch calls beside a busy Python thread took 216 ms at
-5 ms, 21 ms at 0.5 ms and 11.6 ms at 0.2 ms (3.7 ms alone); the busy thread's own throughput
-moved only within the noise (0.77-1.23x). On the H200 at 160 sessions, 0.2 ms took the talker's
-step from 15 to 3.7 ms over its GPU time (README, runs 10-11).
+the GIL alone; at 0.2 ms they wait about a millisecond, and the loop thread's own throughput does
+not measurably change. `python -m bench.gil_switch` measures both on a CPU; the numbers are in
+bench/RESULTS.md.
 """
 
 from __future__ import annotations

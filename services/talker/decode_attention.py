@@ -113,10 +113,9 @@ if triton is not None:
         tl.store(OUT + b * s_ob + h * s_oh + d, out.to(OUT.dtype.element_ty))
 
 
-# Launch parameters of the kernel, chosen by the sweep in bench/attention_check.py on an H200
-# (160 slots x 3000 positions, fp8): see bench/results/attention_check.json. A tensor-core variant
-# (the query broadcast to a 16-row MMA tile) was measured slower, 1.78 against 1.24 ms per layer
-# (bench/results/kernels-2026-11-29/attention_check_fma_vs_mma.json), and was dropped.
+# Launch parameters of the kernel: the fastest in bench/attention_check.py's sweep at the serving
+# shape (160 slots x 3000 positions, fp8). Plain FMA: a tensor-core variant (the query broadcast to
+# a 16-row MMA tile) measured slower (bench/RESULTS.md).
 BLOCK_N, NUM_WARPS, NUM_STAGES = 256, 4, 2
 
 

@@ -1,10 +1,10 @@
 """The step's elementwise chains, each fused into one or two GPU kernels by torch.compile.
 
 Why: at 160 sessions the graphed talker step launched about 6,000 kernels, most of them small
-elementwise ones (an RMSNorm alone is eight: cast, square, mean, add, rsqrt, two products, cast).
-Each costs a few microseconds even inside a CUDA graph, which added up to ~14 ms of a 64 ms
-step (bench/results/talker_profile_fp8w.json). Compiling the few functions that make those
-chains (RMSNorm, the fp8 quantizations, RoPE, the SiLU gate) turns each into one kernel.
+elementwise ones (an RMSNorm alone is eight: cast, square, mean, add, rsqrt, two products,
+cast). Each costs a few microseconds even inside a CUDA graph, which added up to about a fifth
+of the step (bench/RESULTS.md). Compiling the few functions that make those chains (RMSNorm, the
+fp8 quantizations, RoPE, the SiLU gate) turns each into one kernel.
 
 What: `@fused` marks a pure tensor function. It runs eagerly unless `enable()` was called and
 its first argument is a CUDA tensor; then the torch.compile'd version runs. The CPU (tests,

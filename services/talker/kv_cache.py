@@ -171,8 +171,7 @@ class KVCache:
         `window` positions and never wrapped, so its history lies in ring indices 0..window-1 and
         only those are read. A new session's prompt sits at the start of a 3000-entry ring: reading
         all of it (gather, dequantize, concatenate, a masked attention over 3000+ keys, per layer)
-        was most of a prompt chunk's time: 22 ms of GPU time for 64 frames on the H200, 9.5 ms
-        reading 256 entries (bench/results/prefill-profile-2026-11-30)."""
+        would be most of a prompt chunk's time."""
         if q.shape[2] == 1:
             # Live step: write first, then attend over the ring. The entry overwritten was the
             # position just outside the window, so the ring now holds exactly the window.

@@ -45,8 +45,7 @@ PIECE_PLACES = ("step", "alone")
 # outputs' copy queued); the host work of a prefill piece riding the step (0 without one); waiting
 # for the GPU (the outputs on the host); turning outputs into lists and text pieces; and the
 # event loop getting back to the tick once the compute thread is done (a loop busy with gRPC
-# traffic delays it). On the H200 at 144 the wall was 9 ms over the GPU time in some runs and
-# not in others (bench/results/pipeline-full-context-2026-11-30): this says which part it is.
+# traffic delays it). When a step's wall time runs over its GPU time, this says which part it is.
 STEP_PARTS = ("dispatch", "launch", "prefill", "gpu_wait", "outputs", "loop_resume")
 
 
