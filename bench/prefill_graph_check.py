@@ -26,7 +26,7 @@ from tools.make_checkpoint import ensure_checkpoint
 def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor, no_sync: bool) -> list:
     """Slot 0 goes live (no prompt) and talks while slot 2's prompt (a voice and a persona) runs
     behind its steps, three frames per step, begun behind the first step as a piece riding it
-    would be (services/talker/scheduler.py, prefill_in_step). Returns slot 0's step results
+    would be (services/talker/runner.py). Returns slot 0's step results
     meanwhile; frames[i] is step i's input. no_sync: begin() and the chunks run with CUDA's sync
     debug mode at "error", so any wait for the GPU (which would make the piece wait for the
     step it rides) raises."""

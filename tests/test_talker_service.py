@@ -496,170 +496,63 @@ def test_config_env_then_flags_and_bad_values():
         TalkerConfig.load(["--checkpoint", "/x"], env={"TALKER_SLOTS": "many"})
 
 
-async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_checkpoint):
-    """With no time left in the period (a step longer than half of it), a session 2+ frames behind
-    still gets one catch-up step per tick, so its backlog shrinks instead of staying for good;
-    one frame behind, it waits for the next tick."""
+# ---- the conversation clock, driven tick by tick (decisions alone: test_talker_tick_policy.py) ----
+
+class SlowEngine:
+    """The served engine, each step `delay_s(active rows)` slower: a step as long as a big batch's."""
+
+    def __init__(self, eng, delay_s):
+        self._eng, self.delay_s = eng, delay_s
+
+    def step(self, codes, active):
+        time.sleep(self.delay_s(int(active.sum())))
+        return self._eng.step(codes, active)
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+
+class RecordingEngine(SlowEngine):
+    """The served engine, recording the monotonic time of each step."""
+
+    def __init__(self, eng):
+        super().__init__(eng, lambda rows: 0.0)
+        self.steps_at: list[float] = []
+
+    def step(self, codes, active):
+        self.steps_at.append(time.monotonic())
+        return super().step(codes, active)
+
+
+def new_clock(eng, **kw):
+    """A clock on its own slot pool, driven by the test (tick, prefill_in_slack) or started."""
     from services.common.slots import SlotPool
+    from services.talker.clock import ConversationClock
+
+    kw = {"tick_s": 0.08, "max_backlog_frames": 25, "prefill_chunk_frames": 64} | kw
+    return ConversationClock(eng, SlotPool(SLOTS), **kw)
+
+
+async def live_sessions(clock, *names: str, voice=None, persona: str = "") -> list:
+    """Sessions opened on the clock and prefilled (pieces alone, in a roomy slack)."""
     from services.talker.engine import SamplingParams
-    from services.talker.scheduler import ConversationClock
 
-    eng = engine(tiny_checkpoint, "served")
-    pool = SlotPool(SLOTS)
-    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25)
-    loop = asyncio.get_running_loop()
-    try:
-        sess = clock.open("late", pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
-        assert await clock._prefill_idle() and sess.live
-        for i, f in enumerate(user_frames(4, 5)):
-            clock.push(sess, i, f)
-        assert await clock._tick(loop.time()) == 2 and len(sess.inputs) == 2  # 3 behind: main + one catch-up
-        assert await clock._tick(loop.time()) == 1 and len(sess.inputs) == 1  # 1 behind: the next tick's
-        assert await clock._tick(loop.time()) == 1 and len(sess.inputs) == 0
-        assert await clock._tick(loop.time() + 10) == 0  # nothing queued: no step at all
-    finally:
-        await close_all(clock)
+    sessions = [clock.open(n, clock.pool.acquire(), voice, persona, SamplingParams(greedy=True, seed=1), 1)
+                for n in names]
+    await clock.prefill_in_slack(asyncio.get_running_loop().time() + 10)
+    assert all(s.live for s in sessions)
+    return sessions
 
 
-async def test_a_frame_that_arrives_during_the_main_step_does_not_force_a_catch_up(tiny_checkpoint):
-    """A session one frame behind whose next frame comes in while the main step runs is not two
-    behind: that frame is the next tick's. No catch-up step past the deadline for it (one that
-    fits still runs); with two frames behind before the main step, one does."""
-    from services.common.slots import SlotPool
-    from services.talker.engine import SamplingParams
-    from services.talker.scheduler import ConversationClock
-
-    clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25)
-    real_step = clock._step_on_compute_thread
-
-    def slow_step(*args):
-        time.sleep(0.06)  # long enough for a frame to come in meanwhile
-        return real_step(*args)
-
-    clock._step_on_compute_thread = slow_step
-    loop = asyncio.get_running_loop()
-    try:
-        sess = clock.open("jitter", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
-        assert await clock._prefill_idle() and sess.live
-        frames = user_frames(8, 8)
-        for seq, extra_before in ((0, 1), (3, 2)):
-            for i in range(extra_before + 1):
-                clock.push(sess, seq + i, frames[seq + i])
-            mid_step = seq + extra_before + 1
-            loop.call_later(0.02, clock.push, sess, mid_step, frames[mid_step])
-            steps = await clock._tick(loop.time())  # no time left in the period: only a forced catch-up runs
-            assert steps == extra_before, extra_before  # 1 behind: none; 2 behind: one
-            assert len(sess.inputs) == extra_before + 1 - steps + 1  # the mid-step frame waits for the next tick
-            while sess.inputs:
-                await clock._tick(loop.time() + 10)  # room for catch-ups: drain before the next case
-    finally:
-        await close_all(clock)
+def value(metrics, name: str, **labels) -> float:
+    return metrics.stage.registry.get_sample_value(name, labels) or 0.0
 
 
-async def test_forced_catch_ups_lagging_sessions_and_slow_ticks_are_counted_and_the_lag_is_configurable(tiny_checkpoint):
-    """A catch-up step run past the deadline counts as forced, each tick observes how many sessions
-    are still behind after its main step, a tick over the period is counted by what it held, and
-    periods the clock drops are counted. With catch_up_lag_frames 3, two frames behind waits."""
+def talker_metrics():
     from services.common.metrics import StageMetrics
-    from services.common.slots import SlotPool
-    from services.talker.engine import SamplingParams
-    from services.talker.metrics import STEP_PARTS, TalkerMetrics
-    from services.talker.scheduler import ConversationClock
-
-    def value(m: TalkerMetrics, name: str, **labels) -> float:
-        return m.stage.registry.get_sample_value(name, labels) or 0.0
-
-    loop = asyncio.get_running_loop()
-    for lag, steps_at_2_behind in ((2, 2), (3, 1)):
-        metrics = TalkerMetrics(StageMetrics("talker"))
-        clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25,
-                                  catch_up_lag_frames=lag, metrics=metrics)
-        try:
-            sess = clock.open("lag", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
-            assert await clock._prefill_idle() and sess.live
-            for i, f in enumerate(user_frames(3, 7)):
-                clock.push(sess, i, f)
-            # No time left in the period: only a forced catch-up runs.
-            assert await clock._tick(loop.time()) == steps_at_2_behind, lag
-            assert value(metrics, "duplex_talker_catch_up_steps_forced_total") == steps_at_2_behind - 1
-            assert value(metrics, "duplex_talker_sessions_behind_count") == 1
-            assert value(metrics, "duplex_talker_sessions_behind_sum") == 1  # one session, still behind after the main step
-            # Each step's wall time, split into its parts (metrics.STEP_PARTS), all of it accounted for.
-            parts = {p: value(metrics, "duplex_talker_step_part_seconds_sum", part=p) for p in STEP_PARTS}
-            assert all(value(metrics, "duplex_talker_step_part_seconds_count", part=p) == steps_at_2_behind for p in parts)
-            wall = value(metrics, "duplex_stage_step_seconds_sum", stage="talker")
-            assert parts["launch"] > 0 and sum(parts.values()) == pytest.approx(wall, abs=0.005)
-        finally:
-            await close_all(clock)
-    clock._note_slow_tick(0.15, 2, 0.0)
-    clock._note_slow_tick(0.09, 1, 0.02)
-    clock._note_slow_tick(0.09, 1, 0.001)
-    for cause in ("catch_up", "late_start", "wait_and_step"):
-        assert value(metrics, "duplex_talker_slow_ticks_total", cause=cause) == 1, cause
-    assert value(metrics, "duplex_talker_ticks_dropped_total") == 0
-    with pytest.raises(ValueError, match="catch_up_lag_frames"):
-        ConversationClock(clock.engine, SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25, catch_up_lag_frames=0)
-
-
-async def test_periods_the_clock_drops_are_counted(tiny_checkpoint):
-    """A tick that ends more than a period past its deadline makes the clock skip to the latest grid
-    time; the periods it skipped are counted, not just logged."""
-    from services.common.metrics import StageMetrics
-    from services.common.slots import SlotPool
-    from services.talker.engine import SamplingParams
     from services.talker.metrics import TalkerMetrics
-    from services.talker.scheduler import ConversationClock
 
-    metrics = TalkerMetrics(StageMetrics("talker"))
-    clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.02, max_backlog_frames=25,
-                              metrics=metrics)
-    stall = 0.07  # a step that takes 3.5 periods
-    real_step = clock._step_on_compute_thread
-
-    def slow_step(*args):
-        time.sleep(stall)
-        return real_step(*args)
-
-    clock._step_on_compute_thread = slow_step
-    clock.start()
-    try:
-        sess = clock.open("slow", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
-        while not sess.live:
-            await asyncio.sleep(0.01)
-        for i, f in enumerate(user_frames(3, 2)):
-            clock.push(sess, i, f)
-            await asyncio.sleep(0.1)
-        dropped = metrics.stage.registry.get_sample_value("duplex_talker_ticks_dropped_total")
-        assert dropped >= 2  # each 70 ms tick from its deadline ends >= 2 whole 20 ms periods late
-    finally:
-        await close_all(clock)
-
-
-async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkpoint):
-    """A catch-up step runs only the sessions still behind (idle rows attend over one KV entry), so
-    whether one fits before the deadline is decided by the measured catch-up time, not by the main
-    step's: at 160 full-context sessions a main step fills most of the period, a catch-up of a few
-    sessions does not."""
-    from services.common.slots import SlotPool
-    from services.talker.engine import SamplingParams
-    from services.talker.scheduler import ConversationClock
-
-    clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=0.08, max_backlog_frames=25)
-    loop = asyncio.get_running_loop()
-    try:
-        sess = clock.open("behind", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
-        assert await clock._prefill_idle() and sess.live
-        frames = user_frames(3, 6)
-        clock.push(sess, 0, frames[0])
-        clock.push(sess, 1, frames[1])
-        clock._step_s, clock._catch_up_s = 0.5, 0.5  # neither fits 100 ms: the second frame waits
-        assert await clock._tick(loop.time() + 0.1) == 1 and len(sess.inputs) == 1
-        clock.push(sess, 2, frames[2])
-        clock._step_s, clock._catch_up_s = 0.5, 0.005  # a main step would not fit, a catch-up does
-        assert await clock._tick(loop.time() + 0.1) == 2 and len(sess.inputs) == 0
-        assert clock._step_s > 0.3 and clock._catch_up_s < 0.1  # each measured into its own average
-    finally:
-        await close_all(clock)
+    return TalkerMetrics(StageMetrics("talker"))
 
 
 async def close_all(clock) -> None:
@@ -669,6 +562,129 @@ async def close_all(clock) -> None:
     await clock.stop()
 
 
+async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_checkpoint):
+    """With no time left in the period (a step longer than half of it), a session 2+ frames behind
+    still gets one catch-up step per tick, so its backlog shrinks instead of staying for good;
+    one frame behind, it waits for the next tick."""
+    clock = new_clock(engine(tiny_checkpoint, "served"))
+    loop = asyncio.get_running_loop()
+    try:
+        sess, = await live_sessions(clock, "late")
+        for i, f in enumerate(user_frames(4, 5)):
+            clock.push(sess, i, f)
+        assert await clock.tick(loop.time()) == 2 and len(sess.inputs) == 2  # 3 behind: main + one catch-up
+        assert await clock.tick(loop.time()) == 1 and len(sess.inputs) == 1  # 1 behind: the next tick's
+        assert await clock.tick(loop.time()) == 1 and len(sess.inputs) == 0
+        assert await clock.tick(loop.time() + 10) == 0  # nothing queued: no step at all
+    finally:
+        await close_all(clock)
+
+
+async def test_a_frame_that_arrives_during_the_main_step_does_not_force_a_catch_up(tiny_checkpoint):
+    """A session one frame behind whose next frame comes in while the main step runs is not two
+    behind: that frame is the next tick's. No catch-up step past the deadline for it (one that
+    fits still runs); with two frames behind before the main step, one does."""
+    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "served"), lambda rows: 0.06))  # a frame comes in meanwhile
+    loop = asyncio.get_running_loop()
+    try:
+        sess, = await live_sessions(clock, "jitter")
+        frames = user_frames(8, 8)
+        for seq, extra_before in ((0, 1), (3, 2)):
+            for i in range(extra_before + 1):
+                clock.push(sess, seq + i, frames[seq + i])
+            mid_step = seq + extra_before + 1
+            loop.call_later(0.02, clock.push, sess, mid_step, frames[mid_step])
+            steps = await clock.tick(loop.time())  # no time left in the period: only a forced catch-up runs
+            assert steps == extra_before, extra_before  # 1 behind: none; 2 behind: one
+            assert len(sess.inputs) == extra_before + 1 - steps + 1  # the mid-step frame waits for the next tick
+            while sess.inputs:
+                await clock.tick(loop.time() + 10)  # room for catch-ups: drain before the next case
+    finally:
+        await close_all(clock)
+
+
+async def test_forced_catch_ups_and_lagging_sessions_are_counted_and_the_lag_is_configurable(tiny_checkpoint):
+    """A catch-up step run past the deadline counts as forced, and each tick observes how many
+    sessions are still behind after its main step. With catch_up_lag_frames 3, two frames behind
+    waits."""
+    from services.talker.clock import ConversationClock
+    from services.talker.metrics import STEP_PARTS
+
+    loop = asyncio.get_running_loop()
+    for lag, steps_at_2_behind in ((2, 2), (3, 1)):
+        metrics = talker_metrics()
+        clock = new_clock(engine(tiny_checkpoint, "served"), catch_up_lag_frames=lag, metrics=metrics)
+        try:
+            sess, = await live_sessions(clock, "lag")
+            for i, f in enumerate(user_frames(3, 7)):
+                clock.push(sess, i, f)
+            # No time left in the period: only a forced catch-up runs.
+            assert await clock.tick(loop.time()) == steps_at_2_behind, lag
+            assert value(metrics, "duplex_talker_catch_up_steps_forced_total") == steps_at_2_behind - 1
+            assert value(metrics, "duplex_talker_sessions_behind_count") == 1
+            assert value(metrics, "duplex_talker_sessions_behind_sum") == 1  # one session, behind after the main step
+            # Each step's wall time, split into its parts (metrics.STEP_PARTS), all of it accounted for.
+            parts = {p: value(metrics, "duplex_talker_step_part_seconds_sum", part=p) for p in STEP_PARTS}
+            counts = [value(metrics, "duplex_talker_step_part_seconds_count", part=p) for p in parts]
+            assert counts == [steps_at_2_behind] * len(parts)
+            wall = value(metrics, "duplex_stage_step_seconds_sum", stage="talker")
+            assert parts["launch"] > 0 and sum(parts.values()) == pytest.approx(wall, abs=0.005)
+        finally:
+            await close_all(clock)
+    with pytest.raises(ValueError, match="catch_up_lag_frames"):
+        ConversationClock(clock.engine, clock.pool, tick_s=0.08, max_backlog_frames=25, catch_up_lag_frames=0)
+
+
+async def test_slow_ticks_and_the_periods_the_clock_drops_are_counted(tiny_checkpoint):
+    """A tick over the period is counted by what it held; one that ends more than a period past its
+    deadline makes the clock skip to the latest grid time, and the periods it skipped are counted,
+    not just logged."""
+    from services.talker.engine import SamplingParams
+
+    metrics = talker_metrics()
+    stall = 0.07  # a step that takes 3.5 periods
+    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "served"), lambda rows: stall), tick_s=0.02, metrics=metrics)
+    clock.start()
+    try:
+        sess = clock.open("slow", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+        while not sess.live:  # prefilled while the clock sleeps
+            await asyncio.sleep(0.01)
+        assert value(metrics, "duplex_talker_ticks_dropped_total") == 0
+        for i, f in enumerate(user_frames(3, 2)):
+            clock.push(sess, i, f)
+            await asyncio.sleep(0.1)
+        assert value(metrics, "duplex_talker_ticks_dropped_total") >= 2  # each 70 ms tick ends >= 2 periods late
+        slow = {c: value(metrics, "duplex_talker_slow_ticks_total", cause=c) for c in ("catch_up", "late_start",
+                                                                                      "wait_and_step")}
+        assert sum(slow.values()) >= 2 and slow["catch_up"] == 0, slow  # one frame per tick: no catch-up
+    finally:
+        await close_all(clock)
+
+
+async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkpoint):
+    """A catch-up step runs only the sessions still behind (idle rows attend over one KV entry), so
+    whether one fits before the deadline is decided by the measured catch-up time, not by the main
+    step's: a main step of many sessions fills most of the period, a catch-up of a few does not."""
+    main_s = 0.12  # a step of two or more rows; one row is fast
+    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "served"), lambda rows: main_s if rows > 1 else 0.0))
+    loop = asyncio.get_running_loop()
+    try:
+        a, b = await live_sessions(clock, "a", "b")
+        frames = user_frames(5, 6)
+        for seq, f in enumerate(frames[:2]):
+            clock.push(a, seq, f)
+        clock.push(b, 0, frames[0])
+        assert await clock.tick(loop.time() + 10) == 2  # plenty of room: both steps measured
+        assert clock.policy.step_s >= main_s > clock.policy.catch_up_s
+        for seq, f in enumerate(frames[2:4], start=2):
+            clock.push(a, seq, f)
+        clock.push(b, 1, frames[1])
+        # 200 ms: a second main step would not fit after the first, the measured catch-up does.
+        assert await clock.tick(loop.time() + 0.2) == 2 and not a.inputs
+    finally:
+        await close_all(clock)
+
+
 async def talk_beside(clock, mine, other, frames, first_seq: int) -> list:
     """One tick per frame: `mine` sends frames[i] and `other` keeps talking beside it (seq numbers
     from first_seq). Returns mine's outputs as (text token, agent codes)."""
@@ -676,136 +692,104 @@ async def talk_beside(clock, mine, other, frames, first_seq: int) -> list:
     for i, f in enumerate(frames):
         clock.push(mine, i, f)
         clock.push(other, first_seq + i, frames[(first_seq + i) % len(frames)])
-        await clock._tick(loop.time() + 10)
+        await clock.tick(loop.time() + 10)
         while not mine.outbox.empty():
             out = mine.outbox.get_nowait()
             got.append((out.text_token, out.agent_codes))
     return got
 
 
-async def test_prefill_runs_in_the_slack_after_the_tick_and_only_fails_its_own_session(tiny_checkpoint):
-    """With a session live, a new session's prompt runs after the tick's outputs, in the period's
-    slack (begin + a whole chunk, oldest first), never inside the tick; it then talks exactly like
-    a session run alone. A begin() that refuses (a voice the engine lacks) fails that session only.
-    A piece that does not fit the slack waits, unless the prompt has starved for two periods.
-    (prefill_in_step off: the slack is then the only place prompts run.)"""
+async def test_prefill_pieces_run_alone_in_the_slack_while_they_fit_and_only_fail_their_own_session(tiny_checkpoint):
+    """With a session live and no tick, a new session's prompt runs in the period's slack (begin +
+    a whole chunk, oldest first) while a piece fits before the deadline, never one that does not;
+    it then talks exactly like a session run alone. A begin() that refuses (a voice the engine
+    lacks) fails that session only."""
     from services.common.checkpoint import InvalidVoice
-    from services.common.slots import SlotPool
     from services.talker.engine import SamplingParams
-    from services.talker.scheduler import ConversationClock, Ready
+    from services.talker.session import Ready
 
-    eng = engine(tiny_checkpoint, "served")
-    pool = SlotPool(SLOTS)
-    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64,
-                              prefill_in_step=False)
+    clock = new_clock(engine(tiny_checkpoint, "served"))
     loop = asyncio.get_running_loop()
     voice, greedy = first_voice(tiny_checkpoint), SamplingParams(greedy=True, seed=1)
     try:
-        first = clock.open("first", pool.acquire(), None, "", greedy, 1)
-        assert await clock._prefill_idle() and first.live  # nobody live: prefill in idle time
-        mine_slot = pool.acquire()
+        first, = await live_sessions(clock, "first")  # nobody live: pieces alone
+        mine_slot = clock.pool.acquire()
         mine = clock.open("mine", mine_slot, voice, PERSONA, greedy, 1)
-        bad = clock.open("bad", pool.acquire(), "NOT-A-VOICE.pt", PERSONA, greedy, 1)
-        frames = user_frames(14, 3)
-        clock.push(first, 0, frames[0])
-        assert await clock._tick(loop.time() + 10) == 1  # one main step, no prefill inside it
-        assert not mine.live and mine.job is None and not first.outbox.empty()
-        # A piece does not fit 5 ms of slack (measured pieces take 50 ms), nobody starves yet, and
-        # the ticks have been leaving room for pieces (200 ms): it waits for a roomier period.
-        clock._piece_s, clock._prefill_progress, clock._slack_s = 0.05, loop.time(), 0.2
-        await clock._prefill_in_slack(loop.time() + 0.005)
-        assert mine.job is None and not mine.pieces_ms
-        # Starving for over two periods: exactly one piece runs although it does not fit.
-        clock._prefill_progress = loop.time() - 0.2
-        await clock._prefill_in_slack(loop.time() + 0.005)
-        assert mine.live and len(mine.pieces_ms) == 1 and not bad.failed  # its whole prompt: one chunk
+        bad = clock.open("bad", clock.pool.acquire(), "NOT-A-VOICE.pt", PERSONA, greedy, 1)
+        await clock.prefill_in_slack(loop.time() + 0.005)  # less than the headroom: no piece fits
+        assert mine.job is None and not mine.pieces_ms and not bad.pieces_ms
+        await clock.prefill_in_slack(loop.time() + 10)  # plenty of slack: every waiting prompt
+        assert mine.live and len(mine.pieces_ms) == 1  # its whole prompt: one chunk
         assert isinstance(mine.outbox.get_nowait(), Ready)
-        await clock._prefill_in_slack(loop.time() + 10)  # plenty of slack: the next waiting session
         assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed and first.live
-        got = await talk_beside(clock, mine, first, frames, first_seq=1)  # mine beside first, as if alone
+        frames = user_frames(14, 3)
+        got = await talk_beside(clock, mine, first, frames, first_seq=0)  # mine beside first, as if alone
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
     finally:
         await close_all(clock)
 
 
 async def test_a_prefill_piece_rides_the_main_step_and_only_fails_its_own_session(tiny_checkpoint):
-    """prefill_in_step: each main step carries one piece of the oldest waiting prompt (its host
-    work while the step runs, its chunk queued behind it), a catch-up step none, and nothing is
-    forced into the slack. The session then talks exactly like one run alone; a begin() that
-    refuses, riding a step, fails that session only and the step's outputs still come."""
+    """Each main step carries one piece of the oldest waiting prompt (its host work while the step
+    runs, its chunk queued behind it), a catch-up step none. The session then talks exactly like
+    one run alone; a begin() that refuses, riding a step, fails that session only and the step's
+    outputs still come."""
     from services.common.checkpoint import InvalidVoice
-    from services.common.metrics import StageMetrics
-    from services.common.slots import SlotPool
     from services.talker.engine import SamplingParams
-    from services.talker.metrics import TalkerMetrics
-    from services.talker.scheduler import ConversationClock, Ready
+    from services.talker.session import Ready
 
-    def value(name: str, **labels) -> float:
-        return metrics.stage.registry.get_sample_value(name, labels) or 0.0
-
-    eng, pool, metrics = engine(tiny_checkpoint, "served"), SlotPool(SLOTS), TalkerMetrics(StageMetrics("talker"))
-    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64, metrics=metrics)
+    metrics = talker_metrics()
+    clock = new_clock(engine(tiny_checkpoint, "served"), metrics=metrics)
     loop = asyncio.get_running_loop()
     voice, greedy = first_voice(tiny_checkpoint), SamplingParams(greedy=True, seed=1)
     try:
-        first = clock.open("first", pool.acquire(), None, "", greedy, 1)
-        assert await clock._prefill_idle() and first.live  # nobody live: a piece alone, in idle time
-        bad = clock.open("bad", pool.acquire(), "NOT-A-VOICE.pt", PERSONA, greedy, 1)
-        mine_slot = pool.acquire()
+        first, = await live_sessions(clock, "first")  # nobody live: a piece alone
+        bad = clock.open("bad", clock.pool.acquire(), "NOT-A-VOICE.pt", PERSONA, greedy, 1)
+        mine_slot = clock.pool.acquire()
         mine = clock.open("mine", mine_slot, voice, PERSONA, greedy, 1)
         frames = user_frames(14, 3)
         clock.push(first, 0, frames[0])
         clock.push(first, 1, frames[1])  # a frame behind: a catch-up step follows the main step
-        clock._catch_up_s = 0.0
-        assert await clock._tick(loop.time() + 10) == 2
+        assert await clock.tick(loop.time() + 10) == 2
         # The main step carried bad's piece (the oldest waiting): refused, bad alone fails.
         assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed
         assert not first.inputs and clock.steps == 2  # both of first's frames stepped
         assert mine.job is None and not mine.pieces_ms  # the catch-up step carried none
-        # The slack forces nothing, however short: the next main step takes the next piece.
-        clock._piece_s, clock._slack_s, clock._prefill_progress = 0.05, 0.001, loop.time() - 1.0
-        await clock._prefill_in_slack(loop.time() + 0.001)
+        await clock.prefill_in_slack(loop.time() + 0.001)  # a slack that holds no piece runs none
         assert mine.job is None and not mine.pieces_ms
         clock.push(first, 2, frames[2])
-        assert await clock._tick(loop.time() + 10) == 1
+        assert await clock.tick(loop.time() + 10) == 1
         assert mine.live and len(mine.pieces_ms) == 1  # its whole prompt: one chunk, riding the step
         assert isinstance(mine.outbox.get_nowait(), Ready) and clock.steps == 3
-        assert value("duplex_talker_prefill_pieces_total", where="step") == 2
-        assert value("duplex_talker_prefill_pieces_total", where="alone") == 1
-        assert value("duplex_talker_step_part_seconds_sum", part="prefill") > 0
+        assert value(metrics, "duplex_talker_prefill_pieces_total", where="step") == 2
+        assert value(metrics, "duplex_talker_prefill_pieces_total", where="alone") == 1
+        assert value(metrics, "duplex_talker_step_part_seconds_sum", part="prefill") > 0
         got = await talk_beside(clock, mine, first, frames, first_seq=3)  # mine beside first, as if alone
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
     finally:
         await close_all(clock)
 
 
-async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tiny_checkpoint):
-    """When the slack the ticks leave (an EMA) is shorter than a piece, waiting two periods for
-    one that fits would only delay the new session: the piece runs in the first period, and
-    only one per period, however many sessions wait."""
-    from services.common.slots import SlotPool
+async def test_a_session_that_ended_gets_no_more_prefill(tiny_checkpoint):
+    """Between a session's END and the servicer closing it, a tick's piece goes to a prompt still
+    waiting, not to the ended session's slot."""
     from services.talker.engine import SamplingParams
-    from services.talker.scheduler import ConversationClock
+    from services.talker.session import END, Ready
 
-    pool = SlotPool(SLOTS)
-    clock = ConversationClock(engine(tiny_checkpoint, "served"), pool, tick_s=0.08, max_backlog_frames=25,
-                              prefill_chunk_frames=64, prefill_in_step=False)
+    clock = new_clock(engine(tiny_checkpoint, "served"))
     loop = asyncio.get_running_loop()
-    greedy = SamplingParams(greedy=True, seed=1)
     try:
-        a = clock.open("a", pool.acquire(), None, "", greedy, 1)
-        b = clock.open("b", pool.acquire(), None, "", greedy, 1)
-        clock._piece_s, clock._prefill_progress = 0.05, loop.time()  # 50 ms pieces; nobody starves
-        clock._slack_s = 0.01  # the ticks have been leaving 10 ms
-        await clock._prefill_in_slack(loop.time() + 0.005)
-        assert a.live and not b.live and b.job is None  # one piece this period, b's turn is the next
-        assert clock._slack_too_short()
-        clock._slack_s = 0.2  # ticks leave room again: b waits for a period that holds its piece
-        await clock._prefill_in_slack(loop.time() + 0.005)
-        assert not b.live and b.job is None and not clock._slack_too_short()
-        clock._slack_s = 0.01
-        await clock._prefill_in_slack(loop.time() + 0.005)
-        assert b.live
+        a, b = await live_sessions(clock, "a", "b")
+        clock.push(a, 0, user_frames(1, 4)[0])
+        clock.input_done(a)
+        await clock.tick(loop.time() + 10)  # a's last frame: END
+        items = [a.outbox.get_nowait() for _ in range(a.outbox.qsize())]
+        assert items[-1] is END and not a.live
+        waiting = clock.open("c", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
+        clock.push(b, 0, user_frames(1, 4)[0])
+        assert await clock.tick(loop.time() + 10) == 1
+        assert waiting.live and isinstance(waiting.outbox.get_nowait(), Ready)
+        assert a.outbox.empty() and not a.pieces_ms[1:]  # its one piece: the prompt before it talked
     finally:
         await close_all(clock)
 
@@ -813,89 +797,62 @@ async def test_a_piece_that_no_period_would_hold_runs_at_once_one_per_period(tin
 async def test_the_clock_ticks_on_the_cells_frame_grid(tiny_checkpoint):
     """Deadlines are k * tick_s + tick_phase_s of the monotonic clock (services/common/frame_grid.py),
     whenever the clock started: a phased encoder in another process steps just before them."""
-    from services.common.slots import SlotPool
-    from services.talker.engine import SamplingParams
-    from services.talker.scheduler import ConversationClock
-
-    loop = asyncio.get_running_loop()
     period = 0.08
     for phase in (0.03, 0.065):  # two phases: a clock off the grid cannot pass both by chance
-        clock = ConversationClock(engine(tiny_checkpoint, "served"), SlotPool(SLOTS), tick_s=period,
-                                  max_backlog_frames=25, tick_phase_s=phase)
-        starts = []
-        tick = clock._tick
-
-        async def recorded(period_end, tick=tick, starts=starts):
-            starts.append(loop.time())
-            return await tick(period_end)
-
-        clock._tick = recorded
-        sess = clock.open("a", 0, None, "", SamplingParams(greedy=True, seed=1), 1)
+        eng = RecordingEngine(engine(tiny_checkpoint, "served"))
+        clock = new_clock(eng, tick_s=period, tick_phase_s=phase)
+        sess, = await live_sessions(clock, "a")
         await asyncio.sleep(0.017)  # start the clock off the grid
         clock.start()
         try:
             for i, f in enumerate(user_frames(6, 2)):
                 clock.push(sess, i, f)
                 await asyncio.sleep(period)
-            offsets = [(t - phase) % period for t in starts]
-            assert len(starts) >= 4 and all(o < 0.015 for o in offsets), offsets  # on the grid, a little late at most
+            offsets = [(t - phase) % period for t in eng.steps_at]
+            assert len(offsets) >= 4 and all(o < 0.015 for o in offsets), offsets  # on the grid, a little late at most
         finally:
-            clock.close(sess)
-            await clock.stop()
+            await close_all(clock)
 
 
 async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_no_wait(tiny_checkpoint):
     """input_wait: a talking session whose frame arrives a few ms after the deadline is stepped in
     that tick's one step (without the wait it is skipped or needs a catch-up step). A session that
-    is not talking (no frame yet, or none for over 1.5 periods) never makes the clock wait, and
-    the wait never runs into the step's share of the period."""
-    from services.common.slots import SlotPool
-    from services.talker.engine import SamplingParams
-    from services.talker.scheduler import ConversationClock
-
+    is not talking (no frame yet, or none for over 1.5 periods) never makes the clock wait."""
     loop = asyncio.get_running_loop()
     frames = user_frames(8, 9)
     for wait_s in (0.04, 0.0):
-        eng = engine(tiny_checkpoint, "served")
-        pool = SlotPool(SLOTS)
-        clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, input_wait_s=wait_s)
+        clock = new_clock(engine(tiny_checkpoint, "served"), input_wait_s=wait_s)
         try:
-            a, b, silent = (clock.open(n, pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
-                            for n in ("a", "b", "silent"))
-            while not (a.live and b.live and silent.live):
-                assert await clock._prefill_idle()
+            a, b, _silent = await live_sessions(clock, "a", "b", "silent")
             clock.push(a, 0, frames[0])
             clock.push(b, 0, frames[0])
-            assert await clock._tick(loop.time() + 10) == 1
+            assert await clock.tick(loop.time() + 10) == 1
             steps = clock.steps
             clock.push(a, 1, frames[1])
             loop.call_later(0.01, clock.push, b, 1, frames[1])  # b's frame: 10 ms after the deadline
-            await clock._tick(loop.time() + 0.2)
+            await clock.tick(loop.time() + 0.2)
             await asyncio.sleep(0.02)  # b's frame has arrived by now, whatever the tick did
             on_time = clock.steps == steps + 1 and not a.inputs and not b.inputs
             assert on_time if wait_s else not on_time
             if b.inputs:  # (no wait) step b's frame before the next checks
-                await clock._tick(loop.time() + 10)
+                await clock.tick(loop.time() + 10)
         finally:
             await close_all(clock)
-    # the silent session alone lacks a frame: no wait; nor for one quiet for 1.5 periods
-    eng = engine(tiny_checkpoint, "served")
-    pool = SlotPool(SLOTS)
-    clock = ConversationClock(eng, pool, tick_s=0.08, max_backlog_frames=25, input_wait_s=0.04)
+    # The silent session alone lacks a frame: no wait; nor for one quiet for 1.5 periods; a talking
+    # one whose frame is due: a wait of input_wait.
+    metrics = talker_metrics()
+    clock = new_clock(engine(tiny_checkpoint, "served"), input_wait_s=0.04, metrics=metrics)
     try:
-        a, silent = (clock.open(n, pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1) for n in ("a", "s"))
-        while not (a.live and silent.live):
-            assert await clock._prefill_idle()
+        a, _silent = await live_sessions(clock, "a", "silent")
         clock.push(a, 0, frames[0])
-        assert await clock._wait_for_due_frames([a, silent], loop.time() + 1) == 0.0
-        await clock._tick(loop.time() + 10)
+        assert await clock.tick(loop.time() + 10) == 1
         await asyncio.sleep(0.13)  # a has been quiet for over 1.5 periods
-        assert await clock._wait_for_due_frames([a, silent], loop.time() + 1) == 0.0
+        assert await clock.tick(loop.time() + 10) == 0
+        assert value(metrics, "duplex_talker_input_wait_seconds_count") == 0
         clock.push(a, 1, frames[1])
-        await clock._tick(loop.time() + 10)
-        # a is talking and its next frame is due: the wait lasts until the step's slack is used up
-        clock._step_s = 0.05  # slack: 80 - 50 - 8 (headroom) = 22 ms, less than the 40 ms input_wait
-        waited = await clock._wait_for_due_frames([a, silent], loop.time() + 0.08)
-        assert 0.01 < waited < 0.03
+        assert await clock.tick(loop.time() + 10) == 1
+        assert await clock.tick(loop.time() + 10) == 0  # a is talking and its next frame is due
+        assert value(metrics, "duplex_talker_input_wait_seconds_count") == 1
+        assert 0.035 < value(metrics, "duplex_talker_input_wait_seconds_sum") < 0.2
     finally:
         await close_all(clock)

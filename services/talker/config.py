@@ -68,9 +68,6 @@ class TalkerConfig:
     # Most prompt frames one prefill chunk runs (in a period's slack); with cuda_graph also the length
     # of the captured chunk (shorter ones are padded to it).
     prefill_chunk_frames: int = 64
-    # Run one prefill piece per main step, its host work while the GPU runs the step and its GPU
-    # work right behind it (scheduler module doc). Off: pieces run only in the slack after a tick.
-    prefill_in_step: bool = True
     # Voices (comma-separated basenames, e.g. "NATF2.pt,NATM1.pt") whose KV prefix is computed at
     # start instead of by the first session that asks for one. Each costs its frames of KV (about
     # 0.27 MB per frame at full size, fp8) for the life of the process.

@@ -38,7 +38,7 @@ SESSIONS_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
 # wait and main step were too long.
 SLOW_CAUSES = ("catch_up", "late_start", "wait_and_step")
 # Where a prefill piece ran: riding a main step (its host work during the step's GPU time) or
-# alone, in a period's slack or while no session is live (scheduler module doc).
+# alone, in a period's slack or while no session is live (clock.py, runner.py).
 PIECE_PLACES = ("step", "alone")
 # A step's wall time (duplex_stage_step_seconds), in the order it is spent: handing it to the
 # compute thread; engine.step() up to the launch (checks, input copies, the graph launch, the

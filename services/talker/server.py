@@ -20,7 +20,7 @@ Two tasks per stream: a reader that validates frames and queues them on the cloc
 and this handler, which writes what the clock puts in the session's outbox. The
 reader's errors travel through the same outbox, so a stream ends exactly once, with
 the first error. However it ends, the session leaves the clock and its slot comes
-back only after its last engine work finished (scheduler.ConversationClock.close).
+back only after its last engine work finished (clock.ConversationClock.close).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from services.common.link import serve_link
 from services.common.stage_server import StageRpcs, StageRuntime, StageServer, freeze_startup_heap, validate_stream_id
 from services.talker.config import TalkerConfig
 from services.talker.metrics import TalkerMetrics
-from services.talker.scheduler import END, ConversationClock, Output, Ready, Session
+from services.talker.clock import ConversationClock
+from services.talker.session import END, Output, Ready, Session
 from services.talker.voice_recorder import VoiceRecorder
 from services.common.frame import CARD, CODEBOOKS
 
@@ -287,7 +288,7 @@ class TalkerService:
             self.engine, runtime.pool, tick_s=cfg.tick_ms / 1000.0, max_backlog_frames=cfg.max_backlog_frames,
             prefill_chunk_frames=cfg.prefill_chunk_frames, input_wait_s=cfg.input_wait_ms / 1000.0,
             tick_phase_s=cfg.tick_phase_ms / 1000.0,
-            catch_up_lag_frames=cfg.catch_up_lag_frames, prefill_in_step=cfg.prefill_in_step, metrics=metrics)
+            catch_up_lag_frames=cfg.catch_up_lag_frames, metrics=metrics)
         # On the compute thread, before serving: the CUDA graph capture and the first prefill's
         # allocations (cuBLAS handle and workspace are per thread) happen now, not on a live tick,
         # and a GPU too full for them fails the start instead of the first session.

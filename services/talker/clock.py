@@ -1,0 +1,393 @@
+"""The conversation clock: every tick, one batched model step for every session with input.
+
+Threads: the asyncio loop owns every Session and makes every decision (tick_policy.py); the
+engine runs on one compute thread (runner.py). A step's inputs are gathered and the step
+submitted with no `await` in between, so a session closed by the loop is either in a step's
+batch (its slot stays pinned until that step returns) or in none.
+
+One period (tick_s, 80 ms; deadlines on the cell's frame grid, services/common/frame_grid.py,
+so other processes can place their work around them):
+
+    deadline ──▶ wait for due frames, never past the step's share of the period
+                 main step: every live session with a queued frame, one frame each,
+                   + one piece of the oldest waiting prompt riding it (runner.py)
+                 catch-up steps for the sessions still behind, while one fits
+                 (the tick ends here: its outputs are out)
+                 prefill pieces alone in the period's slack, while one fits
+                 sleep until the next deadline (woken early by new work)
+
+With no session live, prompts run piece after piece while the clock sleeps. A live session
+without input for a tick is not stepped (no invented audio) and costs the others nothing: the
+batch has a fixed shape [slots, 8] and an active mask. Queued input over the backlog bound is
+refused (BacklogFull) on that session only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from services.common.errors import ResourceExhausted
+from services.common.frame_grid import last_grid_time, next_grid_time
+from services.common.slots import SlotPool
+from services.talker.runner import PieceResult, StepOutputs, StepRunner
+from services.talker.session import END, Output, Ready, Session
+from services.talker.tick_policy import LAG_FRAMES, CatchUp, TickPolicy
+
+log = logging.getLogger("talker.clock")
+
+LATE_START_S = 0.010  # a slow tick that started this late after its deadline counts as "late_start"
+LOG_EVERY_S = 10.0  # at most one warning of each kind per this long, with a count
+
+
+def slow_tick_cause(steps: int, late_start_s: float) -> str:
+    """What a tick over the period held (metrics.SLOW_CAUSES)."""
+    return "catch_up" if steps > 1 else "late_start" if late_start_s > LATE_START_S else "wait_and_step"
+
+
+class BacklogFull(ResourceExhausted):
+    """A session queued more input than the backlog bound: the client is too far ahead of the clock."""
+
+    kind = "backlog_full"
+
+
+class ConversationClock:
+    def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
+                 prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, tick_phase_s: float = 0.0,
+                 catch_up_lag_frames: int = LAG_FRAMES, metrics=None):
+        self.policy = TickPolicy(tick_s, input_wait_s, catch_up_lag_frames)
+        self.runner = StepRunner(engine, prefill_chunk_frames)
+        self.engine = engine
+        self.pool = pool
+        self.tick_s = tick_s
+        self.tick_phase_s = tick_phase_s  # deadlines at k * tick_s + tick_phase_s
+        self.max_backlog_frames = max_backlog_frames
+        self.metrics = metrics
+        self.sessions: dict[int, Session] = {}  # slot -> session, in arrival order
+        self._wake = asyncio.Event()  # new work: end the sleep before the deadline
+        self._arrived = asyncio.Event()  # a frame arrived (for the input wait)
+        self._task: asyncio.Task | None = None
+        self._overruns, self._overrun_logged = 0, float("-inf")
+        self._slow_ticks, self._slow_logged = 0, float("-inf")
+        self.ticks = 0
+        self.steps = 0  # batched engine steps, main + catch-up
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="talker-clock")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.runner.shutdown()
+
+    async def compute(self, fn, *args):
+        """Run fn(*args) on the compute thread (FIFO behind any step in flight)."""
+        return await self.runner.call(fn, *args)
+
+    # ---- sessions (called by the servicer) ----------------------------------------------------
+
+    def open(self, stream_id: str, slot: int, voice: str | None, persona: str, sampling, seed: int) -> Session:
+        """Register a session on an acquired slot; its prompt runs in pieces behind the next steps.
+
+        Its outbox gets Ready when the prompt sits in the slot, or the engine's typed
+        error (InvalidVoice, InvalidPersona, InvalidSampling) if begin() refuses it.
+        """
+        s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed)
+        s.prefill_started = time.perf_counter()
+        self.sessions[slot] = s
+        self._wake.set()
+        return s
+
+    def push(self, s: Session, seq: int, codes: list[int]) -> None:
+        """Queue one input frame (already validated and seq-checked by the caller)."""
+        if s.closed:
+            return
+        if len(s.inputs) >= self.max_backlog_frames:
+            self._count_refusal()
+            raise BacklogFull(
+                f"input backlog over its bound: {len(s.inputs)} frames queued "
+                f"(max {self.max_backlog_frames} = {self.max_backlog_frames * self.tick_s:.2f} s); "
+                f"send one frame per {self.tick_s * 1000:.0f} ms"
+            )
+        if s.outbox.qsize() > self.max_backlog_frames:
+            self._count_refusal()
+            raise BacklogFull(
+                f"output backlog over its bound: {s.outbox.qsize()} frames not read by the client "
+                f"(max {self.max_backlog_frames}); read the responses as they come"
+            )
+        s.inputs.append((seq, codes))
+        s.last_input_at = asyncio.get_running_loop().time()
+        self._arrived.set()
+
+    def input_done(self, s: Session) -> None:
+        """The client sent its last frame: end the stream once its queue is stepped."""
+        s.input_done = True
+        self._maybe_end(s)
+
+    def close(self, s: Session) -> asyncio.Future | None:
+        """Take the session off the clock; its slot stays pinned until the engine released it.
+
+        The caller then releases the slot in the pool (StageRuntime.close_stream); the pool
+        hands it out again only at the unpin, i.e. once engine.release has run on the compute
+        thread, which is after any step still in flight with this slot (FIFO). Idempotent;
+        returns the future of the engine release.
+        """
+        if s.closed:
+            return None
+        s.closed = True
+        s.live = False
+        s.inputs.clear()
+        if self.sessions.get(s.slot) is s:
+            del self.sessions[s.slot]
+        self.pool.pin([s.slot])
+        fut = self.runner.release(s.slot)
+        fut.add_done_callback(lambda f, slot=s.slot: self._released(f, slot))
+        return fut
+
+    def _released(self, fut: asyncio.Future, slot: int) -> None:
+        self.pool.unpin([slot])
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("engine.release(slot %d) failed: %r", slot, fut.exception())
+
+    def fail(self, s: Session, e: BaseException) -> None:
+        if not s.closed and not s.failed:
+            s.failed = True
+            s.live = False
+            s.outbox.put_nowait(e)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = next_grid_time(loop.time(), self.tick_s, self.tick_phase_s)
+        while True:
+            try:
+                await self._idle_until(deadline)
+                started = loop.time()
+                steps = await self.tick(deadline + self.tick_s)
+                self._observe_tick(deadline, started, steps)
+                await self.prefill_in_slack(deadline + self.tick_s)
+                self.ticks += 1
+                deadline = self._next_deadline(deadline + self.tick_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A failed step is a bug or a device error: its sessions are failed, the clock ticks on.
+                log.exception("clock tick failed")
+                deadline = next_grid_time(loop.time() + 1e-6, self.tick_s, self.tick_phase_s)
+
+    async def tick(self, period_end: float) -> int:
+        """The main step and the catch-up steps of one period ending at period_end; returns the
+        number of steps run."""
+        loop = asyncio.get_running_loop()
+        live = [s for s in self.sessions.values() if s.live]
+        await self._wait_for_due_frames(live, period_end)
+        batch = self.policy.batch(live)  # one may have ended while we waited
+        if self.metrics:
+            self.metrics.frames_skipped.inc(sum(1 for s in live if s.live and not s.inputs))
+        if not batch:
+            return 0
+        lag = self.policy.lag_frames(batch)
+        behind_before = sum(1 for s in batch if len(s.inputs) > 1)
+        await self._step(batch, catch_up=False)
+        if self.metrics:
+            self.metrics.sessions_behind.observe(behind_before)
+        steps = 1
+        while behind := self.policy.batch(self.sessions.values()):
+            decision = self.policy.catch_up(loop.time(), period_end, steps, lag)
+            if decision is CatchUp.NONE:
+                break
+            if decision is CatchUp.FORCED and self.metrics:
+                self.metrics.catch_up_forced.inc()
+            await self._step(behind, catch_up=True)
+            steps += 1
+        return steps
+
+    async def prefill_in_slack(self, period_end: float) -> None:
+        """Prefill pieces alone after a tick, while one fits before period_end."""
+        loop = asyncio.get_running_loop()
+        self.policy.slack_measured(period_end - loop.time())
+        while self.policy.piece_fits(loop.time(), period_end) and await self._prefill_alone():
+            pass
+
+    async def _idle_until(self, deadline: float) -> None:
+        """Until `deadline`: sleep (woken by new work); with no live session, whose tick a piece
+        could make late, prefill meanwhile."""
+        loop = asyncio.get_running_loop()
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            if not any(s.live for s in self.sessions.values()) and await self._prefill_alone():
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    async def _wait_for_due_frames(self, live: list[Session], period_end: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        until = self.policy.input_wait_end(start, period_end)
+        if until is None:
+            return
+        waited = False
+        while any(self.policy.frame_due(s, start) for s in live) and (left := until - loop.time()) > 0:
+            self._arrived.clear()
+            waited = True
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                break
+        if waited and self.metrics:
+            self.metrics.input_wait.observe(loop.time() - start)
+
+    async def _step(self, batch: list[Session], catch_up: bool) -> None:
+        taken = []
+        for s in batch:
+            seq, codes = s.inputs.popleft()
+            s.stepping = True
+            taken.append((s, seq, codes))
+        # A waiting prompt's next piece rides the main step. No await between picking it and
+        # submitting the step: a close() can only queue its release behind this step.
+        rider = None if catch_up else self.policy.next_prompt(self.sessions.values())
+        slots = [s.slot for s in batch]
+        self.pool.pin(slots)
+        try:
+            out = await self.runner.step([(s.slot, codes) for s, _, codes in taken], rider)
+        except Exception as e:
+            for s in batch:
+                self.fail(s, e)
+            raise
+        finally:
+            self.pool.unpin(slots)
+            for s in batch:
+                s.stepping = False
+        self.policy.step_measured(out.wall_s, catch_up)
+        self.steps += 1
+        self._observe_step(out, len(batch), catch_up)
+        if rider is not None:
+            self._record_piece(rider, out.piece, "step")
+        for s, seq, _ in taken:
+            if s.closed:
+                continue  # closed while its step ran: the output has nowhere to go
+            if out.has_output[s.slot]:
+                i = s.slot
+                s.outbox.put_nowait(Output(s.out_seq, seq, out.tokens[i], out.text[i], out.agent_codes[i]))
+                s.out_seq += 1
+            self._maybe_end(s)
+
+    # ---- prompts -----------------------------------------------------------------------------
+
+    async def _prefill_alone(self) -> bool:
+        """One prefill piece on its own; False if nobody waits for one."""
+        s = self.policy.next_prompt(self.sessions.values())
+        if s is None:
+            return False
+        self._record_piece(s, await self.runner.prefill(s), "alone")
+        return True
+
+    def _record_piece(self, s: Session, piece: PieceResult, where: str) -> None:
+        """Account for one piece of s's prompt, run alone (its time, GPU included, is what a slack
+        must hold) or riding a step (its host time only), then act on its outcome."""
+        s.pieces_ms.append(piece.ms)
+        if self.metrics:
+            self.metrics.prefill_pieces.labels(where=where).inc()
+            if where == "alone":
+                self.metrics.prefill_piece.observe(piece.total_s)
+        if where == "alone":
+            self.policy.piece_measured(piece.total_s)
+        if piece.error is not None:
+            self.fail(s, piece.error)
+            return
+        s.job = piece.job
+        if piece.done and not s.closed and not s.failed:
+            self._go_live(s)
+
+    def _go_live(self, s: Session) -> None:
+        s.live = True
+        ms = (time.perf_counter() - s.prefill_started) * 1e3
+        if self.metrics:
+            self.metrics.prefill_duration.observe(ms / 1e3)
+        log.info("session %s live in slot %d: %d prompt frames prefilled in %.1f ms (pieces, ms: %s)",
+                 s.stream_id, s.slot, s.job.total_frames, ms,
+                 " + ".join(f"{t:.1f} [begin {b:.1f}, launch {c:.1f}, device wait {w:.1f}]"
+                            for t, b, c, w in s.pieces_ms))
+        s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, s.job.output_delay_frames, s.seed))
+        s.job = None
+        self._maybe_end(s)
+
+    def _maybe_end(self, s: Session) -> None:
+        if s.input_done and s.live and not s.inputs and not s.stepping and not s.closed:
+            s.outbox.put_nowait(END)
+            s.live = False  # nothing more to step; the servicer closes it
+            s.ended = True
+
+    # ---- metrics and logs --------------------------------------------------------------------
+
+    def _count_refusal(self) -> None:
+        if self.metrics:
+            self.metrics.backlog_refusals.inc()
+
+    def _observe_step(self, out: StepOutputs, batch: int, catch_up: bool) -> None:
+        if not self.metrics:
+            return
+        m = self.metrics
+        m.observe_step(out.wall_s, batch)
+        m.frames_advanced.inc(batch)
+        if catch_up:
+            m.catch_up_steps.inc()
+        if out.device_s is not None:
+            m.step_device.observe(out.device_s)
+        for part, seconds in out.parts.items():
+            m.step_part.labels(part=part).observe(seconds)
+        # The compute thread finished at parts' end; the loop resumed this coroutine only later.
+        m.step_part.labels(part="loop_resume").observe(max(0.0, out.wall_s - sum(out.parts.values())))
+
+    def _observe_tick(self, deadline: float, started: float, steps: int) -> None:
+        """A tick's lateness and, if it stepped, its length from the deadline (a tick that started
+        late is that much later); a tick over the period is counted by cause and logged."""
+        took = asyncio.get_running_loop().time() - deadline
+        if self.metrics:
+            self.metrics.tick_lateness.observe(max(0.0, started - deadline))
+            if steps:
+                self.metrics.tick_duration.observe(took)
+        if not steps or took <= self.tick_s:
+            return
+        if self.metrics:
+            self.metrics.slow_ticks.labels(cause=slow_tick_cause(steps, started - deadline)).inc()
+        self._slow_ticks += 1
+        now = time.monotonic()
+        if now - self._slow_logged < LOG_EVERY_S:
+            return
+        p = self.policy
+        log.warning("slow tick: %.1f ms for %d step(s) from its deadline (step EMA %.1f ms, prefill piece EMA "
+                    "%.1f ms, slack after a tick EMA %.1f ms, %d live sessions); %d slow tick(s) since the last "
+                    "report", took * 1e3, steps, p.step_s * 1e3, p.piece_s * 1e3, (p.slack_s or 0.0) * 1e3,
+                    sum(s.live for s in self.sessions.values()), self._slow_ticks)
+        self._slow_ticks, self._slow_logged = 0, now
+
+    def _next_deadline(self, deadline: float) -> float:
+        """`deadline`, or when the clock is over a period behind it (a step longer than a period),
+        the latest grid time: tick now rather than fire a burst of late ticks (queued input is
+        caught up by catch-up steps). The periods skipped are counted, the overrun logged."""
+        now = asyncio.get_running_loop().time()
+        if now <= deadline + self.tick_s:
+            return deadline
+        self._overruns += 1
+        if now - self._overrun_logged > LOG_EVERY_S:
+            log.warning("clock overrun: %d late tick(s) since the last report; a step takes %.1f ms, "
+                        "the period is %.1f ms", self._overruns, self.policy.step_s * 1e3, self.tick_s * 1e3)
+            self._overruns, self._overrun_logged = 0, now
+        latest = last_grid_time(now, self.tick_s, self.tick_phase_s)
+        if self.metrics:
+            self.metrics.ticks_dropped.inc(max(0, round((latest - deadline) / self.tick_s)))
+        return latest
