@@ -56,7 +56,8 @@ def engine(ckpt, role: str):
     from services.talker.engine import TalkerEngine
 
     if role not in _ENGINES:
-        _ENGINES[role] = TalkerEngine.from_checkpoint(CheckpointPaths.open(ckpt, require=("lm", "tokenizer")), slots=SLOTS)
+        paths = CheckpointPaths.open(ckpt, require=("lm", "tokenizer"))
+        _ENGINES[role] = TalkerEngine.from_checkpoint(paths, slots=SLOTS)
     return _ENGINES[role]
 
 
@@ -85,7 +86,8 @@ def reference_outputs(ckpt, slot: int, voice, persona: str, frames, seed: int = 
 # ---- service and client helpers ----------------------------------------------------------------
 
 def config(ckpt, **kw) -> TalkerConfig:
-    base = TalkerConfig(checkpoint=str(ckpt), port=0, metrics_port=0, slots=SLOTS, tick_ms=TICK_MS, drain_deadline_s=2.0)
+    base = TalkerConfig(checkpoint=str(ckpt), port=0, metrics_port=0, slots=SLOTS, tick_ms=TICK_MS,
+                        drain_deadline_s=2.0)
     return replace(base, **kw)
 
 
@@ -435,7 +437,8 @@ async def test_drain_refuses_new_sessions_and_ends_live_ones_at_the_deadline(tin
     async with Service(config(tiny_checkpoint)) as s:
         sess = Session(s.stub, "d")
         await sess.open()
-        resp = await s.stub.Drain(common_pb2.DrainRequest(deadline_s=2.0), metadata=(("authorization", "Bearer talker-admin"),))
+        admin = (("authorization", "Bearer talker-admin"),)
+        resp = await s.stub.Drain(common_pb2.DrainRequest(deadline_s=2.0), metadata=admin)
         assert resp.active_streams == 1
         cap = await s.capacity()
         assert cap.draining and cap.free_slots == 0
@@ -462,7 +465,8 @@ def test_subprocess_serves_and_drains_on_sigterm(tiny_checkpoint):
                 ready = await first.open()
                 await first.send_paced(user_frames(8, 16), 0.04)
                 outs = await first.finish()
-                text = await asyncio.to_thread(lambda: urllib.request.urlopen(proc.metrics_url, timeout=5).read().decode())
+                text = await asyncio.to_thread(
+                    lambda: urllib.request.urlopen(proc.metrics_url, timeout=5).read().decode())
                 # SIGTERM with a session live: it keeps being served, a new one is refused.
                 live = Session(stub, "live")
                 await live.open()
