@@ -19,7 +19,7 @@ import torch
 
 from services.common.checkpoint import CheckpointPaths
 from services.talker import prompt
-from services.talker.engine import SamplingParams, TalkerEngine
+from services.talker.engine import NO_FRAME, SamplingParams, TalkerEngine
 from services.talker.voices import RING
 from tools.moshi_reference import moshi_lm_model
 
@@ -125,6 +125,35 @@ def test_personaplex_equals_moshi_timing_fed_sine_first_with_a_window_of_c_minus
     fill = C - job.prompt_frames  # live steps before the ring of C wraps
     assert ours[1:fill] == full[1:fill]
     assert ours[1:] != full[1:T]
+
+
+@pytest.mark.parametrize("voice", [None, "NATF2.pt"])
+def test_stepping_ahead_gives_the_forks_frames_one_user_frame_earlier(paths, voice):
+    """The talker's default: step j is given user frame j-1 (step 0 none), so it can run before frame j
+    arrives. Token for token the fork's outputs, far past the ring filling, with other slots live."""
+    C, T = 24, 80
+    frames, other = user_frames(T, 4), user_frames(T, 5)
+    fork = engine(paths, "personaplex", context=C)
+    ahead = TalkerEngine.from_checkpoint(paths, slots=2, context=C, step_ahead=True)
+    jobs = [start(e, s, voice, "Hi.") for e in (fork, ahead) for s in (0, 1)]
+    assert jobs[0].prompt_frames + T > 3 * C
+    want, got = [], []
+    for j in range(T):
+        want.append(one_step(fork, 0, frames[j]))
+        one_step(fork, 1, other[j])
+        codes = torch.stack([frames[j - 1] if j else torch.full((8,), NO_FRAME), other[j]])
+        r = ahead.step(codes, torch.ones(2, dtype=torch.bool))
+        got.append((int(r.text_tokens[0]), r.agent_codes[0].tolist()) if r.has_output[0] else None)
+    assert got == want and want[1] is not None
+
+
+def test_only_a_step_ahead_engine_takes_a_row_without_a_user_frame(paths):
+    with pytest.raises(ValueError, match="step_ahead needs alignment 'personaplex'"):
+        TalkerEngine.from_checkpoint(paths, slots=1, alignment="moshi", step_ahead=True)
+    eng = engine(paths, "personaplex", slots=1)
+    start(eng, 0, None, "Hi.")
+    with pytest.raises(ValueError, match="user codes must be in"):
+        one_step(eng, 0, torch.full((8,), NO_FRAME))
 
 
 def test_personaplex_bare_session_matches_moshi_lmgen_with_a_window_of_c_minus_1(paths):

@@ -51,13 +51,15 @@ _ENGINES: dict = {}
 
 
 def engine(ckpt, role: str):
-    """One engine per role ("served", "reference") for the whole module: loading takes seconds.
-    The served one passes from test to test; engine.begin must reset a slot completely (tested)."""
+    """One engine per role for the whole module (loading takes seconds): "served" steps ahead as
+    TalkerService builds it; "reference" and "classic" (the clock's tick tests) take frame j at step j.
+    An engine passes from test to test; engine.begin must reset a slot completely (tested)."""
     from services.talker.engine import TalkerEngine
 
     if role not in _ENGINES:
         paths = CheckpointPaths.open(ckpt, require=("lm", "tokenizer"))
-        _ENGINES[role] = TalkerEngine.from_checkpoint(paths, slots=SLOTS)
+        # served as TalkerService builds it (stepping ahead); the reference steps the classic way
+        _ENGINES[role] = TalkerEngine.from_checkpoint(paths, slots=SLOTS, step_ahead=role == "served")
     return _ENGINES[role]
 
 
@@ -233,8 +235,9 @@ async def test_open_ready_then_paced_outputs(tiny_checkpoint):
             assert o.seq == i and o.input_seq == i + delay
             assert len(o.agent_codes) == 8 and all(0 <= c < 2048 for c in o.agent_codes)
             assert o.text_piece == s.svc.engine.text_piece(o.text_token)
-        assert s.metric("duplex_talker_frames_advanced_total") == n
-        assert 1 <= s.metric("duplex_talker_tick_seconds_count") <= n  # ticks that stepped
+        # steps 0..n-1, and the step that took the last input if it ran before the input ended (step ahead)
+        assert n <= s.metric("duplex_talker_frames_advanced_total") <= n + 1
+        assert 1 <= s.metric("duplex_talker_tick_seconds_count") <= n + 1  # ticks that stepped
         await s.wait_free()
 
 
@@ -570,7 +573,7 @@ async def test_a_lagging_session_gets_one_catch_up_step_past_the_deadline(tiny_c
     """With no time left in the period (a step longer than half of it), a session 2+ frames behind
     still gets one catch-up step per tick, so its backlog shrinks instead of staying for good;
     one frame behind, it waits for the next tick."""
-    clock = new_clock(engine(tiny_checkpoint, "served"))
+    clock = new_clock(engine(tiny_checkpoint, "classic"))
     loop = asyncio.get_running_loop()
     try:
         sess, = await live_sessions(clock, "late")
@@ -588,7 +591,7 @@ async def test_a_frame_that_arrives_during_the_main_step_does_not_force_a_catch_
     """A session one frame behind whose next frame comes in while the main step runs is not two
     behind: that frame is the next tick's. No catch-up step past the deadline for it (one that
     fits still runs); with two frames behind before the main step, one does."""
-    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "served"), lambda rows: 0.06))  # a frame comes in meanwhile
+    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "classic"), lambda rows: 0.06))  # a frame comes in meanwhile
     loop = asyncio.get_running_loop()
     try:
         sess, = await live_sessions(clock, "jitter")
@@ -617,7 +620,7 @@ async def test_forced_catch_ups_and_lagging_sessions_are_counted_and_the_lag_is_
     loop = asyncio.get_running_loop()
     for lag, steps_at_2_behind in ((2, 2), (3, 1)):
         metrics = talker_metrics()
-        clock = new_clock(engine(tiny_checkpoint, "served"), catch_up_lag_frames=lag, metrics=metrics)
+        clock = new_clock(engine(tiny_checkpoint, "classic"), catch_up_lag_frames=lag, metrics=metrics)
         try:
             sess, = await live_sessions(clock, "lag")
             for i, f in enumerate(user_frames(3, 7)):
@@ -647,7 +650,7 @@ async def test_slow_ticks_and_the_periods_the_clock_drops_are_counted(tiny_check
 
     metrics = talker_metrics()
     stall = 0.07  # a step that takes 3.5 periods
-    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "served"), lambda rows: stall), tick_s=0.02, metrics=metrics)
+    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "classic"), lambda rows: stall), tick_s=0.02, metrics=metrics)
     clock.start()
     try:
         sess = clock.open("slow", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
@@ -670,7 +673,7 @@ async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkp
     whether one fits before the deadline is decided by the measured catch-up time, not by the main
     step's: a main step of many sessions fills most of the period, a catch-up of a few does not."""
     main_s = 0.12  # a step of two or more rows; one row is fast
-    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "served"), lambda rows: main_s if rows > 1 else 0.0))
+    clock = new_clock(SlowEngine(engine(tiny_checkpoint, "classic"), lambda rows: main_s if rows > 1 else 0.0))
     loop = asyncio.get_running_loop()
     try:
         a, b = await live_sessions(clock, "a", "b")
@@ -712,7 +715,7 @@ async def test_prefill_pieces_run_alone_in_the_slack_while_they_fit_and_only_fai
     from services.talker.engine import SamplingParams
     from services.talker.session import Ready
 
-    clock = new_clock(engine(tiny_checkpoint, "served"))
+    clock = new_clock(engine(tiny_checkpoint, "classic"))
     loop = asyncio.get_running_loop()
     voice, greedy = first_voice(tiny_checkpoint), SamplingParams(greedy=True, seed=1)
     try:
@@ -743,7 +746,7 @@ async def test_a_prefill_piece_rides_the_main_step_and_only_fails_its_own_sessio
     from services.talker.session import Ready
 
     metrics = talker_metrics()
-    clock = new_clock(engine(tiny_checkpoint, "served"), metrics=metrics)
+    clock = new_clock(engine(tiny_checkpoint, "classic"), metrics=metrics)
     loop = asyncio.get_running_loop()
     voice, greedy = first_voice(tiny_checkpoint), SamplingParams(greedy=True, seed=1)
     try:
@@ -780,7 +783,7 @@ async def test_a_session_that_ended_gets_no_more_prefill(tiny_checkpoint):
     from services.talker.engine import SamplingParams
     from services.talker.session import END, Ready
 
-    clock = new_clock(engine(tiny_checkpoint, "served"))
+    clock = new_clock(engine(tiny_checkpoint, "classic"))
     loop = asyncio.get_running_loop()
     try:
         a, b = await live_sessions(clock, "a", "b")
@@ -803,7 +806,7 @@ async def test_the_clock_ticks_on_the_cells_frame_grid(tiny_checkpoint):
     whenever the clock started: a phased encoder in another process steps just before them."""
     period = 0.08
     for phase in (0.03, 0.065):  # two phases: a clock off the grid cannot pass both by chance
-        eng = RecordingEngine(engine(tiny_checkpoint, "served"))
+        eng = RecordingEngine(engine(tiny_checkpoint, "classic"))
         clock = new_clock(eng, tick_s=period, tick_phase_s=phase)
         sess, = await live_sessions(clock, "a")
         await asyncio.sleep(0.017)  # start the clock off the grid
@@ -825,7 +828,7 @@ async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_
     loop = asyncio.get_running_loop()
     frames = user_frames(8, 9)
     for wait_s in (0.04, 0.0):
-        clock = new_clock(engine(tiny_checkpoint, "served"), input_wait_s=wait_s)
+        clock = new_clock(engine(tiny_checkpoint, "classic"), input_wait_s=wait_s)
         try:
             a, b, _silent = await live_sessions(clock, "a", "b", "silent")
             clock.push(a, 0, frames[0])
@@ -845,7 +848,7 @@ async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_
     # The silent session alone lacks a frame: no wait; nor for one quiet for 1.5 periods; a talking
     # one whose frame is due: a wait of input_wait.
     metrics = talker_metrics()
-    clock = new_clock(engine(tiny_checkpoint, "served"), input_wait_s=0.04, metrics=metrics)
+    clock = new_clock(engine(tiny_checkpoint, "classic"), input_wait_s=0.04, metrics=metrics)
     try:
         a, _silent = await live_sessions(clock, "a", "silent")
         clock.push(a, 0, frames[0])
@@ -858,5 +861,54 @@ async def test_a_frame_just_after_the_deadline_rides_the_tick_and_silence_costs_
         assert await clock.tick(loop.time() + 10) == 0  # a is talking and its next frame is due
         assert value(metrics, "duplex_talker_input_wait_seconds_count") == 1
         assert 0.035 < value(metrics, "duplex_talker_input_wait_seconds_sum") < 0.2
+    finally:
+        await close_all(clock)
+
+
+async def test_stepping_ahead_runs_step_k_before_input_k_and_answers_it_when_input_k_arrives(tiny_checkpoint):
+    """Step 0 runs at go-live with no input; output k waits for input k; the step that took the last
+    input is dropped at the end: N inputs, N outputs, the classic engine's tokens."""
+    from services.talker.session import END
+
+    frames = user_frames(5, 9)
+    clock = new_clock(engine(tiny_checkpoint, "served"))
+    loop = asyncio.get_running_loop()
+    try:
+        sess, = await live_sessions(clock, "ahead", persona="Hi.")
+        sess.outbox.get_nowait()  # Ready
+        assert await clock.tick(loop.time() + 10) == 1  # step 0, before any input
+        assert sess.outbox.empty() and sess.held is not None and sess.held.input_seq == 0
+        outs = []
+        for i, f in enumerate(frames):
+            clock.push(sess, i, f)
+            outs.append(sess.outbox.get_nowait())  # output i leaves as input i arrives
+            assert sess.outbox.empty()
+            assert await clock.tick(loop.time() + 10) == 1  # step i + 1, with input i
+        clock.input_done(sess)
+        assert sess.outbox.get_nowait() is END and sess.held is None
+        assert [o.input_seq for o in outs] == list(range(5))
+        want = reference_outputs(tiny_checkpoint, sess.slot, None, "Hi.", frames)
+        assert [(o.text_token, o.agent_codes) for o in outs] == want
+    finally:
+        await close_all(clock)
+
+
+async def test_stepping_ahead_drops_the_queued_step_of_the_last_input(tiny_checkpoint):
+    from services.talker.session import END
+
+    clock = new_clock(engine(tiny_checkpoint, "served"))
+    loop = asyncio.get_running_loop()
+    try:
+        sess, = await live_sessions(clock, "short", persona="Hi.")
+        sess.outbox.get_nowait()  # Ready
+        for i, f in enumerate(user_frames(2, 10)):
+            clock.push(sess, i, f)
+        clock.input_done(sess)  # steps 0, 1 answer inputs 0, 1; step 2 (input 1's) is not needed
+        assert [k for k, _ in sess.inputs] == [0, 1]
+        assert await clock.tick(loop.time()) >= 1
+        while sess.inputs:
+            assert await clock.tick(loop.time() + 10) == 1
+        got = [sess.outbox.get_nowait() for _ in range(3)]
+        assert [o.input_seq for o in got[:2]] == [0, 1] and got[2] is END
     finally:
         await close_all(clock)

@@ -20,6 +20,11 @@ With no session live, prompts run piece after piece while the clock sleeps. A li
 without input for a tick is not stepped (no invented audio) and costs the others nothing: the
 batch has a fixed shape [slots, 8] and an active mask. Queued input over the backlog bound is
 refused (BacklogFull) on that session only.
+
+Step ahead (the personaplex alignment): step k reads user frame k-1 at the latest, so its entry
+is queued when frame k-1 arrives (step 0's at open, with no frame) and it runs one period before
+frame k arrives. Output k still leaves only after input k came in, so the stream pairs inputs and
+outputs as before (N in, N out); the step that took the last input is surplus and is dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class ConversationClock:
         self.policy = TickPolicy(tick_s, input_wait_s, catch_up_lag_frames)
         self.runner = StepRunner(engine, prefill_chunk_frames)
         self.engine = engine
+        self.step_ahead = bool(getattr(engine, "step_ahead", False))
         self.pool = pool
         self.tick_s = tick_s
         self.tick_phase_s = tick_phase_s  # deadlines at k * tick_s + tick_phase_s
@@ -101,6 +107,8 @@ class ConversationClock:
         """
         s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed)
         s.prefill_started = time.perf_counter()
+        if self.step_ahead:
+            s.inputs.append((0, None))
         self.sessions[slot] = s
         self._wake.set()
         return s
@@ -122,13 +130,19 @@ class ConversationClock:
                 f"output backlog over its bound: {s.outbox.qsize()} frames not read by the client "
                 f"(max {self.max_backlog_frames}); read the responses as they come"
             )
-        s.inputs.append((seq, codes))
+        s.inputs.append((seq + 1, codes) if self.step_ahead else (seq, codes))
+        s.received = seq + 1
         s.last_input_at = asyncio.get_running_loop().time()
+        if s.held is not None:
+            s.outbox.put_nowait(s.held)
+            s.held = None
         self._arrived.set()
 
     def input_done(self, s: Session) -> None:
         """The client sent its last frame: end the stream once its queue is stepped."""
         s.input_done = True
+        while s.inputs and s.inputs[-1][0] >= s.received:
+            s.inputs.pop()  # step ahead: its output would have no input to answer
         self._maybe_end(s)
 
     def close(self, s: Session) -> asyncio.Future | None:
@@ -281,8 +295,12 @@ class ConversationClock:
                 continue  # closed while its step ran: the output has nowhere to go
             if out.has_output[s.slot]:
                 i = s.slot
-                s.outbox.put_nowait(Output(s.out_seq, seq, out.tokens[i], out.text[i], out.agent_codes[i]))
+                output = Output(s.out_seq, seq, out.tokens[i], out.text[i], out.agent_codes[i])
                 s.out_seq += 1
+                if seq < s.received:
+                    s.outbox.put_nowait(output)
+                elif not s.input_done:
+                    s.held = output  # until input `seq` arrives (push)
             self._maybe_end(s)
 
     # ---- prompts -----------------------------------------------------------------------------
@@ -327,6 +345,7 @@ class ConversationClock:
 
     def _maybe_end(self, s: Session) -> None:
         if s.input_done and s.live and not s.inputs and not s.stepping and not s.closed:
+            s.held = None  # step ahead: the output of the input that never came
             s.outbox.put_nowait(END)
             s.live = False  # nothing more to step; the servicer closes it
             s.ended = True

@@ -32,6 +32,12 @@ step j runs at o = F-1+j, so both alignments emit agent frame F-1+j at step j.
   output is not returned: N inputs, N-1 outputs. Attention covers C frames.
 `PrefillJob.output_delay_frames` is the number of leading live steps that return nothing.
 
+Step ahead (`step_ahead`, personaplex only): since step j reads user frame j-1 at the latest, it
+need not wait for frame j. Such an engine is given frame j-1 at step j (written where the
+personaplex step j-1 would have written it, the same columns) and, at step 0, a row of -1: no
+user frame. Same tokens, same window; the caller can run step j as soon as frame j-1 is in,
+one frame period before frame j arrives.
+
 Prompt prefill runs the temporal transformer on whole chunks of prompt columns (parallel,
 T frames per call) instead of frame by frame. The voice part is the same for every session of
 a voice: its KV is computed once per voice (`_VoicePrefix`) and copied into the slot.
@@ -55,10 +61,11 @@ from services.common.frame import CODEBOOKS as AGENT_CODEBOOKS
 
 __all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling",
            "InvalidVoice",
-           "ALIGNMENTS"]
+           "ALIGNMENTS", "NO_FRAME"]
 
 log = logging.getLogger("talker.engine")
 
+NO_FRAME = -1  # a step_ahead engine's user code row for step 0, which has no user frame to write
 ALIGNMENTS = ("personaplex", "moshi")  # the live-step timings (module doc); TalkerConfig.alignment
 GRAPH_TEXT_TOP_K = 1024  # text top-k width a CUDA-graphed step is captured for (audio: the whole card)
 
@@ -233,13 +240,13 @@ class TalkerEngine:
     def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
                  context: int | None = None, kv_dtype: torch.dtype | None = None, kv_fp8: bool = False,
                  voices: dict[str, VoicePrompt] | None = None, cuda_graph: bool = False,
-                 alignment: str = "personaplex"):
+                 alignment: str = "personaplex", step_ahead: bool = False):
         """context: the model's context C (default: the checkpoint's); the attention window and KV ring are
         C-1 frames with alignment "personaplex", C with "moshi" (module doc). kv_fp8: store the ring as fp8
         with per-vector scales. cuda_graph: replay the device part of step() as a captured CUDA graph (one
         per distinct top-k bound, captured on first use) instead of launching it eagerly. `voices` adds
         in-memory voices by name ("NATF2.pt"), e.g. from tools.make_checkpoint.build_random_checkpoint on a
-        GPU; others come from paths.voices_dir."""
+        GPU; others come from paths.voices_dir. step_ahead: step j takes user frame j-1 (module doc)."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if model.dep_steps < AGENT_CODEBOOKS:
@@ -249,6 +256,10 @@ class TalkerEngine:
         cfg: LMConfig = model.cfg
         # the lag of the user column behind moshi's (module doc)
         self.alignment, self._lag = alignment, 1 if alignment == "personaplex" else 0
+        if step_ahead and alignment != "personaplex":
+            raise ValueError("step_ahead needs alignment 'personaplex' (its step j reads user frame j-1)")
+        self.step_ahead = step_ahead
+        self._write_lag = 0 if step_ahead else self._lag  # frame j-1 at step j goes where step j-1 put it
         model_context = cfg.context if context is None else context
         if not isinstance(model_context, int) or model_context < 1 + self._lag:
             raise ValueError(f"context must be an int >= {1 + self._lag} with alignment {alignment!r}, got {context!r}")
@@ -317,7 +328,7 @@ class TalkerEngine:
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, context: int | None = None,
                         kv_fp8: bool = False, cuda_graph: bool = False, weights_fp8: bool = False,
-                        alignment: str = "personaplex") -> "TalkerEngine":
+                        alignment: str = "personaplex", step_ahead: bool = False) -> "TalkerEngine":
         """weights_fp8: the temporal layers' matrices in fp8 (services/talker/fp8_weights.py)."""
         section = paths.serve_config()
         cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
@@ -325,7 +336,7 @@ class TalkerEngine:
         if weights_fp8:
             log.info("temporal weights to fp8: %.2f GB saved", model.quantize_weights_fp8_() / 1e9)
         return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8,
-                   cuda_graph=cuda_graph, alignment=alignment)
+                   cuda_graph=cuda_graph, alignment=alignment, step_ahead=step_ahead)
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -401,6 +412,8 @@ class TalkerEngine:
             raise ValueError(f"slots {not_live} are not live (no begin(), prefill not done, or released)")
         # Checked where the caller's tensor lives (the host, normally): no device sync per step.
         bad = ((user_codes < 0) | (user_codes >= self.card)) & active[:, None]
+        if self.step_ahead:
+            bad &= ~(user_codes == NO_FRAME).all(1, keepdim=True)  # a step-0 row: no user frame
         if bool(bad.any()):
             raise ValueError(f"user codes must be in [0, {self.card}), slots {bad.any(1).nonzero().flatten().tolist()} "
                              "are not")
@@ -455,7 +468,8 @@ class TalkerEngine:
         gen = slice(0, 1 + AGENT_CODEBOOKS)  # text + agent streams 0..8
         # 1. user codes of this frame into the history (column o + lag + delay); the lag is a constant
         #    of the engine, so a captured graph holds one alignment
-        self._write(user, (o[:, None] + self._lag + self.delays[user][None]) % RING, codes, act[:, None])
+        write = act & (codes[:, 0] != NO_FRAME) if self.step_ahead else act
+        self._write(user, (o[:, None] + self._write_lag + self.delays[user][None]) % RING, codes, write[:, None])
         # 2. the transformer on column o
         col = (o % RING)[:, None, None].expand(S, self.cfg.num_streams, 1)
         tokens = self.hist.gather(2, col)[..., 0]

@@ -5,7 +5,7 @@
     duplex_talker_prefill_seconds         histogram: open -> prompt in the slot (wall time)
     duplex_talker_prefill_pieces_total{where}  counter: prefill pieces, riding a main step or run alone (PIECE_PLACES)
     duplex_talker_input_wait_seconds      histogram: a tick's wait at its deadline for due frames (input_wait_ms)
-    duplex_talker_frames_advanced_total   counter: session frames stepped (one per input frame)
+    duplex_talker_frames_advanced_total   counter: session frames stepped (one per output, + the surplus step ahead)
     duplex_talker_frames_skipped_total    counter: live sessions left unstepped at a tick for want of input
     duplex_talker_catch_up_steps_total    counter: extra batched steps run for sessions with a backlog
     duplex_talker_catch_up_steps_forced_total  counter: ... of them run although they did not fit the period

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from services.talker.engine import NO_FRAME
 from services.talker.session import Session
 
 IDLE_ROW = (0,) * 8  # the codes of a slot not stepped (masked out by `active`)
+NO_FRAME_ROW = (NO_FRAME,) * 8  # a step-ahead engine's step 0: no user frame
 
 
 @dataclass
@@ -82,7 +84,7 @@ class StepRunner:
         # Plain lists, then one tensor each: a torch call per session costs milliseconds per tick.
         rows, act = [IDLE_ROW] * n, [False] * n
         for slot, codes in frames:
-            rows[slot], act[slot] = codes, True
+            rows[slot], act[slot] = NO_FRAME_ROW if codes is None else codes, True
         codes, active = torch.tensor(rows, dtype=torch.long), torch.tensor(act, dtype=torch.bool)
         piece = (rider.job, rider.begin_args()) if rider is not None else None
         t0 = time.perf_counter()

@@ -273,7 +273,8 @@ class TalkerService:
             self.engine = await asyncio.to_thread(
                 eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype,
                 context=cfg.context or None, kv_fp8=cfg.kv_fp8, cuda_graph=cfg.cuda_graph,
-                weights_fp8=cfg.weights_fp8, alignment=cfg.alignment)
+                weights_fp8=cfg.weights_fp8, alignment=cfg.alignment,
+                step_ahead=cfg.alignment == "personaplex")  # clock.py: step k runs once input k-1 is in
         elif self.engine.num_slots != cfg.slots:
             raise ValueError(f"the given engine has {self.engine.num_slots} slots, the config says {cfg.slots}")
         elif self.engine.alignment != cfg.alignment:

@@ -41,7 +41,10 @@ class Session:
     # Ready, then Output..., then END or an exception (the stream's error). Unbounded:
     # at most one Output per accepted input frame, and input is bounded by the backlog.
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    inputs: collections.deque = field(default_factory=collections.deque)  # (seq, codes[8])
+    # (step index, codes[8]): step k takes input frame k, or k-1 on a step-ahead engine (None for k = 0)
+    inputs: collections.deque = field(default_factory=collections.deque)
+    received: int = 0  # input frames pushed
+    held: Output | None = None  # step ahead: output k, computed before input k arrived
     job: object = None  # engine PrefillJob while prefilling
     live: bool = False  # prefill done, Ready sent: the clock steps it
     closed: bool = False  # no more engine work for it
