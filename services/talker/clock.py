@@ -248,6 +248,7 @@ class ConversationClock:
                 return
 
     async def _wait_for_due_frames(self, live: list[Session], period_end: float) -> None:
+        """While a talking session's frame is due and the policy's wait has not run out, wait for arrivals."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         until = self.policy.input_wait_end(start, period_end)
