@@ -236,13 +236,14 @@ async def test_a_phased_batcher_steps_on_the_frame_grid_and_at_once_for_a_backlo
 
 
 def test_codec_step_phase_must_be_off_or_inside_the_period():
-    from services.encoder.config import from_args
+    from services.encoder.config import EncoderConfig
 
-    assert from_args(["--step-phase-ms", "65"], env={}).step_phase_ms == 65.0
-    assert from_args([], env={}).step_phase_ms == -1.0  # off: step on arrival
+    ckpt = ["--checkpoint", "/x"]
+    assert EncoderConfig.load([*ckpt, "--step-phase-ms", "65"], env={}).step_phase_ms == 65.0
+    assert EncoderConfig.load(ckpt, env={}).step_phase_ms == -1.0  # off: step on arrival
     for bad in ("80", "-2", "-0.5"):
         with pytest.raises(SystemExit, match="step_phase_ms must be -1"):
-            from_args(["--step-phase-ms", bad], env={})
+            EncoderConfig.load([*ckpt, "--step-phase-ms", bad], env={})
 
 
 @pytest.fixture(scope="module")

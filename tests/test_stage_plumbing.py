@@ -26,7 +26,6 @@ from services.common.errors import ResourceExhausted, SeqGap, SeqRepeated
 from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool
 from services.common.stage_server import ADMIN_TOKEN_ENV
-from services.common.stage_config import load_config
 from services.encoder.server import EncoderServicer, SERVICE_NAME, parse_pcm
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError
 
@@ -167,15 +166,6 @@ def test_sequence_checker_refuses_repeats_and_gaps():
     with pytest.raises(SeqGap):
         seq.check(3)
     assert seq.expected == 2  # refusals never advance
-
-
-def test_config_from_env_and_flags():
-    from services.encoder.config import EncoderConfig
-
-    cfg = load_config(EncoderConfig, "ENCODER_", argv=["--port", "7"], env={"ENCODER_SLOTS": "32", "ENCODER_PORT": "9"})
-    assert (cfg.slots, cfg.port, cfg.metrics_port, cfg.device) == (32, 7, 9101, "cpu")
-    with pytest.raises(SystemExit, match="ENCODER_SLOTS"):
-        load_config(EncoderConfig, "ENCODER_", argv=[], env={"ENCODER_SLOTS": "many"})
 
 
 # -- over gRPC ---------------------------------------------------------------------------------

@@ -38,12 +38,13 @@ from typing import Any, Callable
 import grpc
 import torch
 
+from services.common.config import option
 from services.common.errors import Internal, InvalidArgument, StageError
 from services.common.frame_grid import next_grid_time
 from services.common.link import serve_link
-from services.common.process import check_gil_switch_ms, configure_process
-from services.common.stage_server import (FRAME_MS, STREAM_IDLE_TIMEOUT_S, StageRpcs, StageRuntime, StageServer,
-                                          freeze_startup_heap)
+from services.common.process import configure_process
+from services.common.stage_config import StageConfig
+from services.common.stage_server import FRAME_MS, StageRpcs, StageRuntime, StageServer, freeze_startup_heap
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x[slots,...], active[slots]) -> out[slots,...]
 
@@ -302,42 +303,24 @@ class CodecStream:
             self.runtime.close_stream(handle, reason)
 
 
-@dataclass
-class CodecServiceConfig:
-    """What both codec services take (each service's config.py sets its own defaults)."""
+@dataclass(frozen=True)
+class CodecServiceConfig(StageConfig):
+    """What both codec services take (each service's config.py sets its ports and prefix)."""
 
-    checkpoint: str = ""  # checkpoint directory in the published layout (required)
-    host: str = "127.0.0.1"  # loopback unless the operator names an address (run_stack, k8s: the pod's)
-    port: int = 0
-    metrics_port: int = 0  # -1 disables the /metrics endpoint
-    slots: int = 16  # concurrent streams (rows of the codec batch)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    # torch intra-op threads. 1 by default: the stages share a machine's cores, and several processes
-    # each spinning torch's default thread pool slow one another down many times over. 0 = torch's default.
-    threads: int = 1
-    # After the first pending frame, wait up to this long for other streams' frames (never once all
-    # live streams have one pending): fewer, fuller steps for a little latency.
-    batch_wait_ms: float = 5.0
-    # -1: step when frames arrive (batch_wait_ms). 0 <= P < 80: step once per frame period, at
-    # k * 80 ms + P of the machine's monotonic clock, the cell's frame grid the talker ticks on
-    # (services/common/frame_grid.py), so this stage's GPU work and the talker's do not overlap;
-    # e.g. an encoder at 65 steps 15 ms before each talker deadline (tick_phase_ms 0). A frame read
-    # at once after its stream's last answer (a backlog) is stepped without waiting. Measured on
-    # the H200 at 144-160 full-context sessions with an encoder at 65: worse than off (its step
-    # takes 20-38 ms at load, so its frames reached the talker after the deadline; README, run 10).
-    step_phase_ms: float = -1.0
-    # CUDA only: replay the codec step as a captured CUDA graph (Mimi's hundreds of small kernels
-    # per step: about 15 ms eager, 5.6 ms graphed for 160 streams of the full model on an H200).
-    cuda_graph: bool = False
-    drain_deadline_s: float = 30.0  # SIGTERM: how long live streams may continue
-    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S  # a stream that sends nothing this long ends (0 = never)
-    # How often CPython makes a thread holding the GIL yield it (services/common/process.py: why a
-    # busy gRPC loop otherwise stalls the step thread's every torch call; CPython's default is 5).
-    gil_switch_ms: float = 0.2
-    log_level: str = "INFO"
+    # Never waits once every live stream has a frame pending: fewer, fuller steps for a little latency.
+    batch_wait_ms: float = option(5.0, help="after the first pending frame, wait up to this long for other "
+                                            "streams' frames")
+    # Phased: at k * 80 ms + P of the machine's monotonic clock, the cell's frame grid the talker ticks on
+    # (services/common/frame_grid.py), so this stage's GPU work and the talker's do not overlap. A frame read
+    # at once after its stream's last answer (a backlog) is stepped without waiting. Measured worse than off
+    # on the H200 at 144-160 full-context sessions (bench/RESULTS.md).
+    step_phase_ms: float = option(-1.0, help="-1: step when frames arrive; 0 <= P < 80: once per frame period, "
+                                             "at phase P of the frame grid")
 
     def __post_init__(self) -> None:
-        check_gil_switch_ms(self.gil_switch_ms)
+        super().__post_init__()
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.step_phase_ms != -1.0 and not 0.0 <= self.step_phase_ms < FRAME_MS:
             raise ValueError(f"step_phase_ms must be -1 (off) or in [0, {FRAME_MS}), got {self.step_phase_ms}")
 
@@ -459,10 +442,7 @@ def inference_step(step: StepFn, device: str) -> StepFn:
 
 
 def run_main(service_factory, cfg: CodecServiceConfig) -> None:
-    """Process entry point shared by `python -m services.encoder` / `services.decoder`."""
-    if not cfg.checkpoint:
-        raise SystemExit(f"{cfg.__class__.__name__}: --checkpoint is required (tools.run_stack passes the embedded tiny "
-                         f"checkpoint's directory)")
+    """Process entry point shared by `python -m services.encoder` / `services.decoder` (cfg from its load())."""
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_process(cfg.threads, cfg.gil_switch_ms)
 

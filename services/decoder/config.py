@@ -5,19 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.codec.stage import CodecServiceConfig
-from services.common.stage_config import load_config
+from services.common.config import option
+from services.common.stage_config import METRICS_PORT_HELP, PORT_HELP
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecoderConfig(CodecServiceConfig):
     """Mimi decoder service: 8 codes per frame in, 24 kHz PCM frames out."""
 
-    port: int = 50053
-    metrics_port: int = 9103
+    ENV_PREFIX = "DECODER_"
 
-
-def from_args(argv=None, env=None) -> DecoderConfig:
-    try:
-        return load_config(DecoderConfig, env_prefix="DECODER_", argv=argv, env=env)
-    except ValueError as e:  # a value out of its range (__post_init__): a clear exit, not a traceback
-        raise SystemExit(f"decoder config: {e}") from None
+    port: int = option(50053, help=PORT_HELP)
+    metrics_port: int = option(9103, help=METRICS_PORT_HELP)

@@ -1,7 +1,6 @@
-"""The Talker service's configuration: one typed place, CPU defaults, env-var overrides.
+"""The Talker service's configuration: the stage fields (services/common/stage_config.py) and the talker's own.
 
-Precedence: dataclass default < environment (TALKER_<FIELD>, e.g. TALKER_SLOTS=8) < command line
-(--slots 8), through the common loader.
+Precedence: dataclass default < environment (TALKER_<FIELD>, e.g. TALKER_SLOTS=8) < command line (--slots 8).
 """
 
 from __future__ import annotations
@@ -13,83 +12,58 @@ from pathlib import Path
 
 import torch
 
-from services.common.process import check_gil_switch_ms
-from services.common.stage_server import STREAM_IDLE_TIMEOUT_S
-from services.common.stage_config import load_config
+from services.common.config import option
+from services.common.stage_config import METRICS_PORT_HELP, PORT_HELP, StageConfig
 
-ENV_PREFIX = "TALKER_"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
-class TalkerConfig:
-    checkpoint: str = ""  # checkpoint directory in the published layout (required)
-    host: str = "127.0.0.1"
-    port: int = 50052  # gRPC; 0 picks a free port
-    metrics_port: int = 9102  # Prometheus HTTP; 0 picks a free port, -1 disables it
-    slots: int = 2  # concurrent sessions = the batch size of every step
-    device: str = "cpu"
-    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) or one of DTYPES
-    # Live-step timing (services/talker/engine.py): "personaplex" reproduces NVIDIA's reference server
-    # (a user frame is first read one step later; N inputs give N outputs; attention over context-1
-    # frames), "moshi" upstream moshi 0.2.13 (read in the same step; N-1 outputs; attention over context).
-    alignment: str = "personaplex"
-    context: int = 0  # the model's context in frames (0 = the checkpoint's); the KV ring follows alignment
-    kv_fp8: bool = False  # store the KV ring in fp8 (half the memory per slot)
-    # The 32 temporal layers' matrices in fp8 with per-row scales (6.6 GB instead of 13.2 at full
-    # size: what lets the codecs fit beside 160 sessions); the rest of the model stays in `dtype`.
-    weights_fp8: bool = False
-    cuda_graph: bool = False  # replay the step as a captured CUDA graph (CUDA only; much faster there)
-    # Fuse the step's elementwise chains (norms, fp8 quantization, RoPE, SiLU gate) with
-    # torch.compile (CUDA only): a few thousand fewer kernels per step; start-up compiles them.
-    compile: bool = False
-    # BENCHMARK ONLY: every session attends over its whole ring from its first live frame, as a
-    # session does once it has talked for `context` frames (4 minutes at full size). The ring's
-    # unwritten part is zeros, so what the model says is meaningless; what a step costs is that of
-    # the steady state, measured without waiting minutes for it (bench/pipeline.py --full-context).
-    bench_full_context: bool = False
-    tick_ms: float = 80.0  # the conversation clock's period (one Mimi frame)
-    # Deadlines at k * tick_ms + tick_phase_ms of the machine's monotonic clock: the cell's frame
-    # grid (services/common/frame_grid.py), which a phased encoder steps just before.
-    tick_phase_ms: float = 0.0
-    # At a tick's deadline, wait up to this long for frames that are due (their session sent one
-    # within the last 1.5 periods) but not here yet, while the step still ends before the next
-    # deadline: a session whose frames arrive just after the deadline is stepped on time instead
-    # of alternating between a skipped tick and a catch-up step. 0 = tick on the deadline.
-    input_wait_ms: float = 15.0
-    # How many frames behind a session must be (queued before a tick's main step, besides the one
-    # it takes) for the tick to give it a catch-up step even past the deadline; fewer wait for a
-    # period with room for one. Below it a session stays that many frames late, at it the tick
-    # runs late: at 144-160 full-context sessions on the H200 such ticks took 105-150 ms
-    # (bench/results, 2026-11-30).
-    catch_up_lag_frames: int = 2
-    max_backlog_s: float = 2.0  # queued input beyond this is refused with RESOURCE_EXHAUSTED
-    max_persona_chars: int = 4000  # longer persona text is INVALID_ARGUMENT
-    # Most prompt frames one prefill chunk runs (in a period's slack); with cuda_graph also the length
-    # of the captured chunk (shorter ones are padded to it).
-    prefill_chunk_frames: int = 64
-    # Voices (comma-separated basenames, e.g. "NATF2.pt,NATM1.pt") whose KV prefix is computed at
-    # start instead of by the first session that asks for one. Each costs its frames of KV (about
-    # 0.27 MB per frame at full size, fp8) for the life of the process.
-    preload_voices: str = ""
-    # Voices recorded from audio (voices/*.wav or audio shipped with an open) are kept here as .pt,
-    # named by a digest of the audio and the model files ("" = personaplex-voices in the temp dir).
-    voice_cache_dir: str = ""
-    max_voice_seconds: float = 60.0  # longer voice audio is INVALID_ARGUMENT (bad_voice)
-    drain_deadline_s: float = 30.0  # SIGTERM: how long live sessions may continue
-    stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S  # a stream that sends nothing this long ends (0 = never)
-    # torch intra-op threads. 1 by default: the stages share a machine's cores, and several
-    # processes each spinning torch's default thread pool slow one another down many times over.
-    threads: int = 1
-    # How often CPython makes a thread holding the GIL yield it (services/common/process.py: why a
-    # busy gRPC loop otherwise stalls the compute thread's every torch call; CPython's default is 5).
-    gil_switch_ms: float = 0.2
-    log_level: str = "INFO"
+class TalkerConfig(StageConfig):
+    """PersonaPlex Talker gRPC service: 8 user codes per frame in, 8 agent codes and text out."""
+
+    ENV_PREFIX = "TALKER_"
+
+    port: int = option(50052, help=PORT_HELP)
+    metrics_port: int = option(9102, help=METRICS_PORT_HELP)
+    dtype: str = option("auto", help=f"auto (float32 on CPU, bfloat16 on CUDA) | {' | '.join(DTYPES)}")
+    # "personaplex" reproduces NVIDIA's reference server (a user frame is first read one step later; N inputs
+    # give N outputs; attention over context-1 frames), "moshi" upstream moshi 0.2.13 (read in the same step;
+    # N-1 outputs; attention over context). services/talker/engine.py.
+    alignment: str = option("personaplex", help="live-step timing: personaplex | moshi")
+    context: int = option(0, help="the model's context in frames (0 = the checkpoint's)")
+    kv_fp8: bool = option(False, help="store the KV ring in fp8 (half the memory per slot)")
+    # 6.6 GB instead of 13.2 at full size: what lets the codecs fit beside 160 sessions.
+    weights_fp8: bool = option(False, help="the 32 temporal layers' matrices in fp8 with per-row scales")
+    # A few thousand fewer kernels per step; start-up compiles them.
+    compile: bool = option(False, help="fuse the step's elementwise chains with torch.compile (CUDA only)")
+    # The ring's unwritten part is zeros, so what the model says is meaningless; a step costs what it does in
+    # the steady state (4 minutes into a session at full size), measured without waiting for it.
+    bench_full_context: bool = option(False, help="BENCHMARK ONLY: every session attends over its whole ring "
+                                                  "from its first frame")
+    tick_ms: float = option(80.0, help="the conversation clock's period (one Mimi frame)")
+    tick_phase_ms: float = option(0.0, help="deadlines at k * tick_ms + this, the cell's frame grid "
+                                            "(services/common/frame_grid.py)")
+    # A session whose frames arrive just after the deadline is stepped on time instead of alternating
+    # between a skipped tick and a catch-up step.
+    input_wait_ms: float = option(15.0, help="at a deadline, wait up to this long for frames that are due "
+                                             "but not here yet (0 = tick on the deadline)")
+    # Below it a session stays that many frames late; at it the tick runs late.
+    catch_up_lag_frames: int = option(2, help="frames behind a session must be for a catch-up step past "
+                                              "the deadline")
+    max_backlog_s: float = option(2.0, help="queued input beyond this is refused with RESOURCE_EXHAUSTED")
+    max_persona_chars: int = option(4000, help="longer persona text is INVALID_ARGUMENT")
+    prefill_chunk_frames: int = option(64, help="most prompt frames one prefill chunk runs (with cuda_graph also "
+                                                "the captured chunk's length)")
+    # Each costs its frames of KV (about 0.27 MB per frame at full size, fp8) for the life of the process.
+    preload_voices: str = option("", help="voices whose KV prefix is computed at start, e.g. NATF2.pt,NATM1.pt")
+    # Named by a digest of the audio and the model files.
+    voice_cache_dir: str = option("", help="where voices recorded from audio are kept as .pt "
+                                           "(\"\" = personaplex-voices in the temp folder)")
+    max_voice_seconds: float = option(60.0, help="longer voice audio is INVALID_ARGUMENT (bad_voice)")
 
     def __post_init__(self) -> None:
-        check_gil_switch_ms(self.gil_switch_ms)
-        if self.slots < 1:
-            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        super().__post_init__()
         if not (1.0 <= self.tick_ms <= 10_000.0):
             raise ValueError(f"tick_ms must be in [1, 10000], got {self.tick_ms}")
         if not 0.0 <= self.tick_phase_ms < self.tick_ms:
@@ -139,14 +113,3 @@ class TalkerConfig:
     def max_backlog_frames(self) -> int:
         """Queued input frames a session may hold (at least 1): the backlog bound in frames."""
         return max(1, math.ceil(self.max_backlog_s * 1000.0 / self.tick_ms))
-
-    @classmethod
-    def load(cls, argv: list[str] | None = None, env: dict[str, str] | None = None) -> "TalkerConfig":
-        """Defaults < TALKER_* environment < command line (services/common/stage_config.py)."""
-        try:
-            cfg = load_config(cls, ENV_PREFIX, argv=argv, env=env, description="PersonaPlex Talker gRPC service")
-        except ValueError as e:
-            raise SystemExit(f"talker config: {e}") from None
-        if not cfg.checkpoint:
-            raise SystemExit("talker config: --checkpoint (or TALKER_CHECKPOINT) is required")
-        return cfg

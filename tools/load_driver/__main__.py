@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .config import ConfigError, DriverConfig
+from services.common.config import load_config
+
+from .config import ENV_PREFIX, DriverConfig
 from .input_audio import input_signal
 from .lifecycle import run_lifecycle
 from .load import Shard, run_load
@@ -35,38 +36,6 @@ from .verdict import FAIL, INVALID, PASS
 
 EXIT_CODES = {PASS: 0, FAIL: 1, INVALID: 3}
 
-_HELP = {
-    "url": "Realtime duplex endpoint, e.g. ws://127.0.0.1:8000/v1/realtime?duplex=1",
-    "model": "model name for the URL and session.update (omitted when not given)",
-    "input_wav": "input speech (integer PCM WAV; resampled to 24 kHz mono); default: a synthetic speech-like signal",
-    "sessions": "load mode with N sessions; omit for the lifecycle (admission/slot reuse) scenario",
-    "procs": "load mode: spread the sessions over K driver processes (merged into one result), or 'auto': "
-             "one per 20 sessions, at most one per CPU",
-    "load_frames": "load mode: at most this many 80 ms input frames per session (the WAV is never looped)",
-    "lifecycle_frames": "lifecycle mode: frames streamed in each of its two streaming phases",
-    "capacity": "lifecycle mode: the server's session limit; session capacity+1 must be refused",
-    "drain_s": "fixed observation window after the last input frame",
-    "cleanup_timeout_s": "bound on session.close + session.closed, and separately on the WebSocket close",
-    "max_client_rtf": "optional acceptance ceiling on client_stream_rtf (diagnostic by default)",
-    "max_underrun_s": "load verdict FAILs when any session's output starves longer than this",
-    "max_frame_latency_p99_ms": "load verdict FAILs when the p99 over all frames of input frame i sent -> output "
-                                "frame i received exceeds this (default: ITU-T G.114's 400 ms interactive limit)",
-    "output_dir": "directory for load-result.json / lifecycle-result.json (never overwritten) and the plot",
-    "server_revision": "operator-reported server commit (recorded, not verified)",
-    "server_hardware": "operator-reported server hardware (recorded, not verified)",
-    "plot": "also write load-timeline.png (needs matplotlib and --output-dir)",
-    "progress": "live progress line on stderr",
-}
-
-
-def procs_arg(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count or auto, got {text[:20]!r}") from None
-
 
 def shard_arg(text: str) -> Shard:
     index, _, count = text.partition("/")
@@ -79,39 +48,23 @@ def shard_arg(text: str) -> Shard:
     return shard
 
 
-# Fields whose default is None or of another type: the type of a given value.
-_OPTIONAL_TYPES = {"sessions": int, "max_client_rtf": float, "input_wav": Path, "output_dir": Path,
-                   "model": str, "server_revision": str, "server_hardware": str, "procs": procs_arg}
+def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> DriverConfig:
+    return parse_command(argv, env)[0]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> DriverConfig:
-    return parse_command(argv)[0]
-
-
-def parse_command(argv: Sequence[str] | None = None) -> tuple[DriverConfig, Shard | None, Path | None]:
-    """The options, plus the hidden ones procs.py gives a child driver process (its shard, its result file)."""
-    parser = argparse.ArgumentParser(prog="python -m tools.load_driver", description=__doc__.splitlines()[0])
-    parser.add_argument("--shard", type=shard_arg, help=argparse.SUPPRESS)
-    parser.add_argument("--shard-result", type=Path, help=argparse.SUPPRESS)
-    defaults = DriverConfig()
-    for f in fields(DriverConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
-            continue
-        kind = _OPTIONAL_TYPES.get(f.name, type(default))
-        parser.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
-    options = vars(parser.parse_args(argv))
-    shard, shard_result = options.pop("shard"), options.pop("shard_result")
-    config = DriverConfig(**options)
-    try:
-        config.validate()
-    except ConfigError as exc:
-        parser.error(str(exc))
-    if (shard is None) != (shard_result is None) or (shard is not None and config.sessions is None):
-        parser.error("--shard and --shard-result go together, in load mode")
-    return config, shard, shard_result
+def parse_command(argv: Sequence[str] | None = None,
+                  env: Mapping[str, str] | None = None) -> tuple[DriverConfig, Shard | None, Path | None]:
+    """The options (defaults < LOAD_DRIVER_* environment < flags), plus the hidden ones procs.py gives a child
+    driver process (its shard, its result file)."""
+    child = argparse.ArgumentParser(prog="python -m tools.load_driver", add_help=False, allow_abbrev=False)
+    child.add_argument("--shard", type=shard_arg)
+    child.add_argument("--shard-result", type=Path)
+    hidden, rest = child.parse_known_args(argv)
+    config = load_config(DriverConfig, ENV_PREFIX, rest, env, prog="python -m tools.load_driver",
+                         description=__doc__.splitlines()[0])
+    if (hidden.shard is None) != (hidden.shard_result is None) or (hidden.shard is not None and config.sessions is None):
+        child.error("--shard and --shard-result go together, in load mode")
+    return config, hidden.shard, hidden.shard_result
 
 
 def print_lifecycle(result: dict) -> None:

@@ -1,6 +1,7 @@
 """The driver's whole configuration, in one typed place.
 
-`python -m tools.load_driver --help` maps one flag to each field (dashes for underscores).
+`python -m tools.load_driver --help` maps one flag to each field (dashes for underscores) and LOAD_DRIVER_<FIELD>
+to each from the environment (services/common/config.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.common.config import option
 from services.common.frame import FRAME_SAMPLES, SAMPLE_RATE as SAMPLE_RATE_HZ
 
 FRAME_PERIOD_S = FRAME_SAMPLES / SAMPLE_RATE_HZ  # 0.08
@@ -23,16 +26,32 @@ RESYNC_S = 0.02
 SESSIONS_PER_AUTO_PROC = 20
 
 
+ENV_PREFIX = "LOAD_DRIVER_"
+
+
 class ConfigError(ValueError):
     """A driver option is out of range; raised before any connection is made."""
 
 
+def parse_procs(text: str) -> int | str:
+    """'auto' or a count."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected a count or auto, got {text[:20]!r}") from None
+
+
 @dataclass(frozen=True)
 class DriverConfig:
-    url: str = "ws://127.0.0.1:8000/v1/realtime?duplex=1"
-    model: str | None = None  # sent in the URL and session.update only when given
-    input_wav: Path | None = None  # None: a synthetic speech-like signal (see input_audio.py)
-    input_format: str = "pcm_f32le"  # or "pcm16"
+    """Drive a Realtime duplex endpoint: the lifecycle scenario, or paced load with N sessions."""
+
+    url: str = option("ws://127.0.0.1:8000/v1/realtime?duplex=1", help="Realtime duplex endpoint")
+    model: str | None = option(None, help="model name for the URL and session.update (omitted when not given)")
+    input_wav: Path | None = option(None, help="input speech (integer PCM WAV; resampled to 24 kHz mono); "
+                                               "default: a synthetic speech-like signal")
+    input_format: str = option("pcm_f32le", help="pcm_f32le | pcm16")
     voice: str = "NATF2.pt"
     # Short personas: they must also fit the embedded tiny model's 32-frame prompt window.
     persona: str = "You are a helpful assistant."
@@ -40,33 +59,42 @@ class DriverConfig:
     replacement_persona: str = "You are a cheerful travel guide."
 
     # Mode: None = lifecycle (admission, slot reuse); N = paced load with N sessions.
-    sessions: int | None = None
-    procs: int | str = 1  # load mode: driver processes sharing the sessions, or "auto" (see resolved_procs)
-    load_frames: int = 1000  # at most this many input frames per load session (no looping)
-    lifecycle_frames: int = 50  # frames per streaming phase of the lifecycle scenario
-    capacity: int = 2  # lifecycle: the server's session limit (capacity + 1 must be refused)
-    drain_s: float = 2.0  # fixed observation window after the last input frame
-    timeout_s: float = 180.0  # admission, each send, lifecycle coverage waits
-    cleanup_timeout_s: float = 5.0  # session.close + session.closed; separately the WS close
+    sessions: int | None = option(None, help="load mode with N sessions; omit for the lifecycle (admission/slot "
+                                             "reuse) scenario")
+    procs: int | str = option(1, parse=parse_procs, help="load mode: spread the sessions over K driver processes "
+                                                         "(merged into one result), or 'auto': one per 20 sessions, "
+                                                         "at most one per CPU")
+    load_frames: int = option(1000, help="load mode: at most this many 80 ms input frames per session (the WAV is "
+                                         "never looped)")
+    lifecycle_frames: int = option(50, help="lifecycle mode: frames streamed in each of its two streaming phases")
+    capacity: int = option(2, help="lifecycle mode: the server's session limit; session capacity+1 must be refused")
+    drain_s: float = option(2.0, help="fixed observation window after the last input frame")
+    timeout_s: float = option(180.0, help="bound on admission, each send, and the lifecycle's coverage waits")
+    cleanup_timeout_s: float = option(5.0, help="bound on session.close + session.closed, and separately on the "
+                                                "WebSocket close")
 
     # Acceptance of one session's audio.
     max_frame_deficit: int = 4
     min_voiced_frames: int = 5
     minimum_audio_chunks: int = 2
     voiced_frame_rms_threshold: float = 1e-3
-    max_client_rtf: float | None = None  # optional ceiling; RTF is diagnostic by default
+    max_client_rtf: float | None = option(None, help="optional acceptance ceiling on client_stream_rtf "
+                                                     "(diagnostic by default)")
     # Server bounds of the load verdict (FAIL beyond them).
-    max_underrun_s: float = 0.5  # worst output starvation of any one session
+    max_underrun_s: float = option(0.5, help="load verdict FAILs when any session's output starves longer than "
+                                             "this")
     # ITU-T G.114's limit for interactive speech is 400 ms one way; the H200 target is 250 ms.
-    max_frame_latency_p99_ms: float = 400.0  # over every frame of every session: input i sent -> output i received
+    max_frame_latency_p99_ms: float = option(400.0, help="load verdict FAILs when the p99 over all frames of input "
+                                                         "frame i sent -> output frame i received exceeds this")
 
     # Reporting.
-    output_dir: Path | None = None
-    server_revision: str | None = None  # operator-supplied, never detected
-    server_hardware: str | None = None
-    plot: bool = False
-    progress: bool = True
-    input_seed: int = 0  # seed of the synthetic input signal
+    output_dir: Path | None = option(None, help="directory for load-result.json / lifecycle-result.json (never "
+                                                "overwritten) and the plot")
+    server_revision: str | None = option(None, help="operator-reported server commit (recorded, not verified)")
+    server_hardware: str | None = option(None, help="operator-reported server hardware (recorded, not verified)")
+    plot: bool = option(False, help="also write load-timeline.png (needs matplotlib and --output-dir)")
+    progress: bool = option(True, help="live progress line on stderr")
+    input_seed: int = option(0, help="seed of the synthetic input signal")
 
     @property
     def mode(self) -> str:
@@ -80,7 +108,7 @@ class DriverConfig:
         wanted = math.ceil((self.sessions or 1) / SESSIONS_PER_AUTO_PROC)
         return max(1, min(wanted, os.cpu_count() or 1))
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ConfigError(message)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import FRAME_PERIOD_S, DriverConfig
+from .config import ENV_PREFIX, FRAME_PERIOD_S, DriverConfig
 from .input_audio import frame_count
 from .load import Shard, mark_shared_response_ids, new_run, run_load, session_row
 from .report import merge_counts, progress_counts
@@ -139,7 +139,9 @@ async def _spawn(child: Child, config: DriverConfig) -> None:
     options = replace(config, procs=1, output_dir=None, plot=False)
     argv = [*config_argv(options), "--shard", f"{child.shard.index}/{child.shard.count}",
             "--shard-result", str(child.result_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
+    # The child's whole config is its argv: none of the parent's LOAD_DRIVER_* variables (output_dir, say).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
     child.proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tools.load_driver", *argv,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
