@@ -461,7 +461,8 @@ def service_config_problems(docs: list[dict]) -> list[str]:
     """Every variable the manifests set is an option of the service whose prefix it carries (or a known
     non-option), and every service's config loads from its container's environment and arguments."""
     out = []
-    names = [(f"ConfigMap/{cm['metadata']['name']}", k) for cm in of_kind(docs, "ConfigMap") for k in cm.get("data", {})]
+    names = [(f"ConfigMap/{cm['metadata']['name']}", key) for cm in of_kind(docs, "ConfigMap")
+             for key in cm.get("data", {})]
     names += [(f"{kn(w)}/{c['name']}", e["name"]) for w in workloads(docs) for c in containers(pod_spec(w))
               for e in c.get("env", [])]
     for where, name in names:

@@ -120,8 +120,8 @@ def test_response_ids_shared_across_processes_fail_both(tmp_path):
 
 def test_a_throttled_driver_process_makes_the_run_invalid(tmp_path, monkeypatch):
     """Process 1 burns 60 ms of CPU after each send: its two sessions need 120 ms per 80 ms period."""
-    monkeypatch.setenv("LOAD_DRIVER_TEST_BURN_MS", "60")
-    monkeypatch.setenv("LOAD_DRIVER_TEST_BURN_PROC", "1")
+    monkeypatch.setenv("TEST_LOAD_DRIVER_BURN_MS", "60")
+    monkeypatch.setenv("TEST_LOAD_DRIVER_BURN_PROC", "1")
     with fake_server(Behavior(capacity=8)) as server:
         code, result = drive(server, tmp_path, "--procs", "2", "--plot", sessions=4, throttled=True)
     assert code == 3 and result["verdict"] == "INVALID" and not result["passed"] and not result["ok"]
@@ -134,7 +134,7 @@ def test_a_throttled_driver_process_makes_the_run_invalid(tmp_path, monkeypatch)
 
 def test_a_saturated_single_driver_is_invalid_not_pass(tmp_path, monkeypatch):
     # The server answers every frame correctly; only the client is slow (100 ms of CPU a send).
-    monkeypatch.setenv("LOAD_DRIVER_TEST_BURN_MS", "100")
+    monkeypatch.setenv("TEST_LOAD_DRIVER_BURN_MS", "100")
     with fake_server() as server:
         code, result = drive(server, tmp_path, "--max-underrun-s", "10", "--max-frame-latency-p99-ms", "10000",
                              sessions=1, throttled=True)

@@ -12,7 +12,6 @@ kill one stage of one cell.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -26,8 +25,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.config import load_config, option
 from services.common.stage_server import ADMIN_TOKEN_ENV
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, free_port
+
+
+ENV_PREFIX = "RUN_STACK_"  # every option also reads RUN_STACK_<OPTION> (services/common/config.py)
 
 
 @dataclass
@@ -47,9 +50,11 @@ class CellProcs:
 class GatewayProcess:
     """`python -m services.gateway` as a subprocess; ready when /health says 200."""
 
-    def __init__(self, cells: str, port: int = 0, host: str = "127.0.0.1", args: list[str] = (), env: dict | None = None):
+    def __init__(self, cells: str, port: int = 0, host: str = "127.0.0.1", args: list[str] = (),
+                 env: dict | None = None):
         self.host, self.port = host, port or free_port(host)
-        self.cmd = [sys.executable, "-m", "services.gateway", "--host", host, "--port", str(self.port), "--cells", cells, *args]
+        self.cmd = [sys.executable, "-m", "services.gateway", "--host", host, "--port", str(self.port),
+                    "--cells", cells, *args]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile(mode="w+", prefix="gateway-", suffix=".log")
@@ -126,9 +131,10 @@ class Stack:
             procs = []
             for i in range(self.cells):
                 common = ["--checkpoint", str(self.checkpoint), "--slots", str(self.sessions), "--device", self.device]
-                procs.append({stage: ServiceProcess(f"services.{stage}", [*common, *extra], host=self.host, ready_timeout=180,
-                                                    env={ADMIN_TOKEN_ENV: self.admin_token})
-                              for stage, extra in (("encoder", self.codec_args), ("talker", self.talker_args), ("decoder", self.codec_args))})
+                stage_args = {"encoder": self.codec_args, "talker": self.talker_args, "decoder": self.codec_args}
+                procs.append({stage: ServiceProcess(f"services.{stage}", [*common, *extra], host=self.host,
+                                                    ready_timeout=180, env={ADMIN_TOKEN_ENV: self.admin_token})
+                              for stage, extra in stage_args.items()})
             self.cell_procs = [CellProcs(**p) for p in procs]
             self.progress(f"starting {3 * self.cells} stage processes ...")
             # Spawned from this thread (their die-with-parent signal is tied to the spawning
@@ -168,21 +174,30 @@ class Stack:
         self.stop()
 
 
+@dataclass(frozen=True)
+class StackOptions:
+    """The whole stack on this machine: encoder, talker, decoder (one or more cells) and the gateway."""
+
+    checkpoint: Path | None = option(None, help="checkpoint directory (default: the embedded tiny random one)")
+    sessions: int = option(2, help="concurrent sessions per cell (slots of every stage)")
+    cells: int = option(1, help="cells to start (each: encoder, talker, decoder)")
+    port: int = option(8000, help="gateway port")
+    host: str = option("127.0.0.1", help="address every process listens on")
+    device: str = option("cpu", help="the stages' device: cpu | cuda | cuda:N")
+    talker_tick_ms: float | None = option(None, help="talker clock period (default: the talker's, 80)")
+    gateway_workers: str = option("1", help="gateway processes on its port: N or 'auto'")
+    gateway_args: str = option("", help="extra gateway flags, e.g. '--stall-timeout 10'")
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1 or self.cells < 1:
+            raise ValueError(f"sessions and cells must be >= 1, got {self.sessions} and {self.cells}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.run_stack", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the embedded tiny random one)")
-    p.add_argument("--sessions", type=int, default=2, help="concurrent sessions per cell (slots of every stage)")
-    p.add_argument("--cells", type=int, default=1, help="cells to start (each: encoder, talker, decoder)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--talker-tick-ms", type=float, default=None, help="talker clock period (default: the talker's, 80)")
-    p.add_argument("--gateway-workers", default="1", help="gateway processes on its port: N or 'auto'")
-    p.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--stall-timeout 10'")
-    a = p.parse_args(argv)
+    a = load_config(StackOptions, ENV_PREFIX, argv, prog="python -m tools.run_stack")
     say = lambda msg: print(f"[run_stack] {msg}", flush=True)  # noqa: E731
     if a.checkpoint:
-        ckpt = Path(a.checkpoint)
+        ckpt = a.checkpoint
     else:
         from tools.make_checkpoint import ensure_checkpoint
 

@@ -135,7 +135,8 @@ class GatewayConfig:
                                                        "N or 'auto' (the CPUs it may use)")
     # Cells: a static list, or the DNS name of a headless Service whose A records are pods that each run the
     # three stages on dns_ports.
-    cells: tuple[CellAddress, ...] = option((), parse=parse_cells, help="static cells: 'enc:port,talk:port,dec:port;...'")
+    cells: tuple[CellAddress, ...] = option((), parse=parse_cells,
+                                            help="static cells: 'enc:port,talk:port,dec:port;...'")
     cells_file: str = option("", help="JSON file: a list of {encoder, talker, decoder}, added to --cells")
     cells_dns: str | None = option(None, help="headless Service name; each of its addresses is one cell")
     dns_ports: tuple[int, int, int] = option((50051, 50052, 50053), parse=parse_ports,

@@ -79,7 +79,7 @@ class TalkerConfig(StageConfig):
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graph needs a CUDA device, got device {self.device!r}")
         if self.compile and not self.device.startswith("cuda"):
-            raise ValueError(f"compile needs a CUDA device (the CPU runs the eager kernels), got device {self.device!r}")
+            raise ValueError(f"compile needs a CUDA device (the CPU runs the eager kernels), got {self.device!r}")
         from services.talker.engine import ALIGNMENTS  # the engine's fact; it does not import this module
 
         if self.alignment not in ALIGNMENTS:

@@ -62,7 +62,8 @@ def parse_command(argv: Sequence[str] | None = None,
     hidden, rest = child.parse_known_args(argv)
     config = load_config(DriverConfig, ENV_PREFIX, rest, env, prog="python -m tools.load_driver",
                          description=__doc__.splitlines()[0])
-    if (hidden.shard is None) != (hidden.shard_result is None) or (hidden.shard is not None and config.sessions is None):
+    child_args = (hidden.shard, hidden.shard_result)
+    if (None in child_args and child_args != (None, None)) or (hidden.shard is not None and config.sessions is None):
         child.error("--shard and --shard-result go together, in load mode")
     return config, hidden.shard, hidden.shard_result
 

@@ -10,8 +10,8 @@ is excluded. A refused or failed session stays a failed row: it never leaves the
 
 With `--procs K` this runs in K processes, each on one Shard of the sessions (see procs.py).
 
-Test-only: LOAD_DRIVER_TEST_BURN_MS makes every send loop burn that much CPU after each send (only
-in driver process LOAD_DRIVER_TEST_BURN_PROC when that is set): a real client overload for tests.
+Test-only: TEST_LOAD_DRIVER_BURN_MS makes every send loop burn that much CPU after each send (only
+in driver process TEST_LOAD_DRIVER_BURN_PROC when that is set): a real client overload for tests.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def phase_offset_s(index: int, total: int) -> float:
 
 def overload_burn_s(shard: Shard) -> float:
     """CPU seconds to burn after each send (test-only overload; see the module docstring)."""
-    burn_ms = float(os.environ.get("LOAD_DRIVER_TEST_BURN_MS", "0"))
-    only = os.environ.get("LOAD_DRIVER_TEST_BURN_PROC")
+    burn_ms = float(os.environ.get("TEST_LOAD_DRIVER_BURN_MS", "0"))
+    only = os.environ.get("TEST_LOAD_DRIVER_BURN_PROC")
     return burn_ms / 1000.0 if only is None or int(only) == shard.index else 0.0
 
 
