@@ -190,18 +190,18 @@ class Conversation:
         return item
 
 
-def client_message_content(role: str, content: object) -> list[dict] | None:
+def client_message_content(role: object, content: object) -> list[dict] | None:
     """A client message item's content, normalized to text parts; None when it is not a valid message."""
-    if role not in _CLIENT_PARTS or not isinstance(content, list) or len(content) > 16:
+    if not isinstance(role, str) or role not in _CLIENT_PARTS or not isinstance(content, list) or len(content) > 16:
         return None
     parts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in _CLIENT_PARTS[role]:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind not in _CLIENT_PARTS[role]:
             return None
         text = part.get("text", part.get("transcript", ""))
         if not isinstance(text, str):
             return None
-        kind = part["type"]
         entry = {"type": kind}
         if kind in ("input_audio", "output_audio", "audio"):
             entry["transcript"] = text[:MAX_CLIENT_TEXT_CHARS]  # the audio itself is not kept
