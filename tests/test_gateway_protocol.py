@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from services.gateway import audio
 from services.gateway.config import CellAddress, GatewayConfig, parse_cells
-from services.gateway.realtime import ClientError, SessionSettings, capabilities, parse_session_update
+from services.gateway.realtime_wire import ClientError, SessionSettings, capabilities, parse_session_update
 
 DEFAULT = SessionSettings(voice="", instructions="hello")
 

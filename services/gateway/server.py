@@ -36,7 +36,8 @@ from services.gateway.cells import CellPool
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.native import NativeSession, admit_at_upgrade
-from services.gateway.realtime import FALSE, TRUE, RealtimeSession
+from services.gateway.realtime import RealtimeSession
+from services.gateway.realtime_wire import FALSE, TRUE
 from services.gateway.voices import PREFIX as VOICES_PREFIX
 from services.gateway.voices import Voices, accept_voice_uploads
 
