@@ -92,7 +92,7 @@ def test_derive_fills_fields_that_are_not_options():
     ([], {"TOY_CONUT": "3"}, ["TOY_CONUT is not an option", "did you mean TOY_COUNT"]),
     ([], {"TOY_WAIT": "1", "TOY_WAIT_S": "2"}, ["TOY_WAIT_S and TOY_WAIT"]),
     (["--count", "-1"], {}, ["count must be >= 0"]),  # the dataclass's own __post_init__
-    (["--no-loud", "true"], {}, ["--no-loud", "takes no value"]),
+    (["--no-loud", "true"], {}, ["unrecognized arguments: true"]),  # --no-NAME takes no value
     (["--nope"], {}, ["unrecognized arguments: --nope"]),
     (["--coun", "3"], {}, ["unrecognized arguments: --coun"]),  # no abbreviations
 ])
@@ -120,6 +120,17 @@ def test_help_comes_from_the_field(capsys):
     assert "(env TOY_COUNT; default 4)" in out  # the default shown is the one the environment set
     assert "seconds to wait (env TOY_WAIT_S or TOY_WAIT; default 1.0)" in out
     assert "--inner" not in out and "--secret" not in out
+
+
+def test_a_field_without_a_default_must_be_given():
+    @dataclass
+    class Need:
+        url: str
+
+    assert load_config(Need, "N_", ["--url", "x"], {}).url == "x"
+    assert load_config(Need, "N_", [], {"N_URL": "y"}).url == "y"
+    with pytest.raises(ConfigError, match="required: --url"):
+        load_config(Need, "N_", [], {})
 
 
 def test_a_type_the_loader_cannot_convert_needs_a_parse_hook():

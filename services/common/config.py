@@ -102,7 +102,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _shown(text: str) -> str:
+def _cut(text: str) -> str:
     return repr(text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "...")
 
 
@@ -112,21 +112,21 @@ def _parse_bool(text: str) -> bool:
         return True
     if t in _FALSE:
         return False
-    raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}, got {_shown(text)}")
+    raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}, got {_cut(text)}")
 
 
 def _parse_int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"expected an integer, got {_shown(text)}") from None
+        raise ValueError(f"expected an integer, got {_cut(text)}") from None
 
 
 def _parse_float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"expected a number, got {_shown(text)}") from None
+        raise ValueError(f"expected a number, got {_cut(text)}") from None
 
 
 _CONVERTERS: dict[Any, Callable[[str], Any]] = {str: str, int: _parse_int, float: _parse_float, bool: _parse_bool,
@@ -175,29 +175,23 @@ class _Option:
         text = meta.get("help", "").replace("%", "%%")
         shown = "" if current is dataclasses.MISSING or not _scalar(current) else f"; default {_show(current)}"
         env = " or ".join(self.env_vars)
+        negated = [f for f in self.all_flags if f not in self.flags]
+        if negated:
+            shown += f"; {negated[0]} for false"
         text = argparse.SUPPRESS if meta.get("hidden") else f"{text} (env {env}{shown})".lstrip()
-        kw = dict(dest=self.name, default=argparse.SUPPRESS, help=text, type=self._argparse_type)
-        if self.is_bool:
-            parser.add_argument(*self.all_flags, action=_BoolFlag, nargs="?", metavar="BOOL", **kw)
+        kw = dict(dest=self.name, default=argparse.SUPPRESS, required=current is dataclasses.MISSING)
+        if self.is_bool:  # --NAME, --NAME VALUE (true/false/1/0/...), or --no-NAME
+            parser.add_argument(*self.flags, nargs="?", const=True, type=self._argparse_type, metavar="BOOL",
+                                help=text, **kw)
+            parser.add_argument(*negated, action="store_const", const=False, help=argparse.SUPPRESS, **kw)
         else:
-            parser.add_argument(*self.flags, metavar=self.metavar, **kw)
+            parser.add_argument(*self.flags, type=self._argparse_type, metavar=self.metavar, help=text, **kw)
 
     def _argparse_type(self, text: str) -> Any:
         try:
             return self.convert(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-
-
-class _BoolFlag(argparse.Action):
-    """--NAME, --NAME VALUE (true/false/1/0/...) or --no-NAME."""
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        if option_string and option_string.startswith("--no-"):
-            if value is not None:
-                raise argparse.ArgumentError(self, "takes no value")
-            value = False
-        setattr(namespace, self.dest, True if value is None else value)
 
 
 def _show(value: Any) -> str:

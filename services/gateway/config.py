@@ -129,8 +129,8 @@ def parse_ports(text: str) -> tuple[int, int, int]:
 class GatewayConfig:
     """PersonaPlex Realtime gateway."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = option("127.0.0.1", help="address to listen on")
+    port: int = option(8000, help="HTTP and WebSocket port")
     workers: int = option(1, parse=parse_workers, help="processes serving the port (services/gateway/workers.py): "
                                                        "N or 'auto' (the CPUs it may use)")
     # Cells: a static list, or the DNS name of a headless Service whose A records are pods that each run the

@@ -29,10 +29,6 @@ SESSIONS_PER_AUTO_PROC = 20
 ENV_PREFIX = "LOAD_DRIVER_"
 
 
-class ConfigError(ValueError):
-    """A driver option is out of range; raised before any connection is made."""
-
-
 def parse_procs(text: str) -> int | str:
     """'auto' or a count."""
     if text.strip() == "auto":
@@ -52,11 +48,11 @@ class DriverConfig:
     input_wav: Path | None = option(None, help="input speech (integer PCM WAV; resampled to 24 kHz mono); "
                                                "default: a synthetic speech-like signal")
     input_format: str = option("pcm_f32le", help="pcm_f32le | pcm16")
-    voice: str = "NATF2.pt"
+    voice: str = option("NATF2.pt", help="every session's voice")
     # Short personas: they must also fit the embedded tiny model's 32-frame prompt window.
-    persona: str = "You are a helpful assistant."
-    secondary_persona: str = "You are a calm assistant."
-    replacement_persona: str = "You are a cheerful travel guide."
+    persona: str = option("You are a helpful assistant.", help="the (first) session's instructions")
+    secondary_persona: str = option("You are a calm assistant.", help="lifecycle mode: the second session's")
+    replacement_persona: str = option("You are a cheerful travel guide.", help="lifecycle mode: the replacement's")
 
     # Mode: None = lifecycle (admission, slot reuse); N = paced load with N sessions.
     sessions: int | None = option(None, help="load mode with N sessions; omit for the lifecycle (admission/slot "
@@ -74,10 +70,10 @@ class DriverConfig:
                                                 "WebSocket close")
 
     # Acceptance of one session's audio.
-    max_frame_deficit: int = 4
-    min_voiced_frames: int = 5
-    minimum_audio_chunks: int = 2
-    voiced_frame_rms_threshold: float = 1e-3
+    max_frame_deficit: int = option(4, help="output frames a session may end short of its input frames")
+    min_voiced_frames: int = option(5, help="output frames above the RMS threshold a session must have")
+    minimum_audio_chunks: int = option(2, help="audio packets a session must receive")
+    voiced_frame_rms_threshold: float = option(1e-3, help="RMS above which an output frame counts as voiced")
     max_client_rtf: float | None = option(None, help="optional acceptance ceiling on client_stream_rtf "
                                                      "(diagnostic by default)")
     # Server bounds of the load verdict (FAIL beyond them).
@@ -111,9 +107,9 @@ class DriverConfig:
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
-                raise ConfigError(message)
+                raise ValueError(message)  # before any connection is made
 
-        check(self.url.startswith(("ws://", "wss://")), f"--url must be ws:// or wss://, got {self.url!r}")
+        check(self.url.startswith(("ws://", "wss://")), f"--url must be ws:// or wss://, got {self.url[:80]!r}")
         check(self.input_format in ("pcm_f32le", "pcm16"), "--input-format must be pcm_f32le or pcm16")
         if self.sessions is not None:
             check(1 <= self.sessions <= 256, "--sessions must be in [1, 256]")
