@@ -45,6 +45,20 @@ def test_the_input_wait_never_runs_into_the_steps_share_of_the_period():
     assert TickPolicy(TICK).input_wait_end(0.0, TICK) is None  # input_wait_s 0: never wait
 
 
+def test_the_input_wait_leaves_room_for_the_slowest_recent_step():
+    policy = TickPolicy(TICK, input_wait_s=0.015)
+    for _ in range(20):
+        policy.step_measured(0.05, catch_up=False)
+    assert policy.input_wait_end(0.0, TICK) == pytest.approx(0.015)  # 50 ms steps: the whole wait
+    policy.step_measured(0.07, catch_up=False)  # one slow step: the average moves 4 ms, the bound 20
+    assert policy.input_wait_end(0.0, TICK) == pytest.approx(TICK - 0.07 - 0.002)
+    policy.step_measured(0.2, catch_up=True)  # catch-up steps do not count
+    assert policy.input_wait_end(0.0, TICK) == pytest.approx(TICK - 0.07 - 0.002)
+    for _ in range(64):  # out of the window of recent steps
+        policy.step_measured(0.05, catch_up=False)
+    assert policy.input_wait_end(0.0, TICK) == pytest.approx(0.015)
+
+
 def test_only_a_talking_live_session_with_nothing_queued_is_waited_for():
     policy, now = TickPolicy(TICK, input_wait_s=0.015), 100.0
     assert policy.frame_due(session(last_input_at=now - 0.119), now)  # a frame within 1.5 periods

@@ -6,9 +6,10 @@ its sessions (session.py), and reports what each step and prefill piece took.
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.talker.session import Session
 
@@ -19,6 +20,11 @@ LAG_FRAMES = 2  # default catch_up_lag_frames
 STEP_HEADROOM = 0.1
 # A session that sent a frame within this many periods is talking: its next frame is due.
 TALKING_PERIODS = 1.5
+# The input wait also leaves room for the slowest of the last RECENT_STEPS main steps (plus
+# WAIT_MARGIN_S for the outputs): the average alone lets a wait and a slow step together run a
+# tick past its period.
+RECENT_STEPS = 64
+WAIT_MARGIN_S = 0.002
 
 
 def ema(average: float | None, sample: float) -> float:
@@ -49,6 +55,7 @@ class TickPolicy:
     catch_up_s: float | None = None
     piece_s: float = 0.0  # a prefill piece run alone, GPU time included
     slack_s: float | None = None  # time left in the period after a tick
+    recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))
 
     def __post_init__(self) -> None:
         if self.catch_up_lag_frames < 1:
@@ -65,6 +72,7 @@ class TickPolicy:
             self.catch_up_s = ema(self.catch_up_s, seconds)
         else:
             self.step_s = ema(self.step_s or None, seconds)
+            self.recent_steps.append(seconds)
 
     def piece_measured(self, seconds: float) -> None:
         self.piece_s = ema(self.piece_s or None, seconds)
@@ -76,11 +84,12 @@ class TickPolicy:
 
     def input_wait_end(self, now: float, period_end: float) -> float | None:
         """Until when to wait for due frames at a tick that starts at `now` (None: never wait):
-        input_wait_s at most, and never past the point where the main step would end after
-        period_end."""
+        input_wait_s at most, and never past the point where the main step, taking its average
+        plus the headroom or as long as the slowest recent one, would end after period_end."""
         if self.input_wait_s <= 0:
             return None
-        return min(now + self.input_wait_s, period_end - self.step_s - self.headroom_s)
+        slowest = max(self.recent_steps, default=0.0) + WAIT_MARGIN_S
+        return min(now + self.input_wait_s, period_end - max(self.step_s + self.headroom_s, slowest))
 
     def frame_due(self, s: Session, tick_start: float) -> bool:
         """Whether the tick should wait for s: live, talking, nothing queued, input not closed."""
