@@ -31,7 +31,6 @@ Phases (each timed and printed):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -43,7 +42,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
@@ -52,6 +51,7 @@ from grpc_health.v1 import health_pb2
 from bench.pipeline_report import gpu_memory_lines, plot, print_table, summarize_run
 from bench.pipeline_stats import bucket_quantile, gpu_memory, histogram_delta, parse_metrics
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
+from services.common.config import load_config
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, health_status
 from services.common.frame import FRAME_S as FRAME_PERIOD_S
 
@@ -123,25 +123,26 @@ class BenchConfig:
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.preset not in ("tiny", "full"):
-            raise SystemExit(f"--preset must be tiny or full, got {self.preset!r}")
+            raise ValueError(f"--preset must be tiny or full, got {self.preset!r}")
         if not self.sweep or min(self.sweep + self.fallbacks) < 1:
-            raise SystemExit(f"--sessions needs positive counts, got {self.sessions!r}")
+            raise ValueError(f"--sessions needs positive counts, got {self.sessions!r}")
         if self.duration_s < 1 or self.client_procs < 1 or self.window_s <= 0:
-            raise SystemExit("--duration-s >= 1, --client-procs >= 1 and --window-s > 0 are required")
+            raise ValueError("--duration-s >= 1, --client-procs >= 1 and --window-s > 0 are required")
         if self.mps and not self.cuda:
-            raise SystemExit("--mps needs --device cuda")
+            raise ValueError("--mps needs --device cuda")
         if self.probe_sessions < 0 or self.probe_sessions >= min(self.sweep + self.fallbacks):
-            raise SystemExit(f"--probe-sessions K needs 0 <= K < every N of --sessions/--fallback-sessions (the "
+            raise ValueError(f"--probe-sessions K needs 0 <= K < every N of --sessions/--fallback-sessions (the "
                              f"other N-K sessions are the steady load); got K={self.probe_sessions} and N="
                              f"{min(self.sweep + self.fallbacks)}")
         if self.send_phases not in ("spread", "together"):
-            raise SystemExit(f"--send-phases must be spread or together, got {self.send_phases!r}")
+            raise ValueError(f"--send-phases must be spread or together, got {self.send_phases!r}")
         if self.probe_cycle_s < 2 * FRAME_PERIOD_S:
-            raise SystemExit(f"--probe-cycle-s must be >= {2 * FRAME_PERIOD_S:g} (first audio needs two input frames)")
+            raise ValueError(f"--probe-cycle-s must be >= {2 * FRAME_PERIOD_S:g} (first audio needs two input frames)")
 
 
+ENV_PREFIX = "BENCH_"
 # --smoke: the same script on the CPU with the tiny checkpoint (explicit flags still win).
 SMOKE = dict(preset="tiny", device="cpu", sessions="2", duration_s=4.0, client_procs=1, mps=False, window_s=2.0,
              probe_sessions=1, probe_cycle_s=1.5,  # short cycles: the 4 s run reopens the probe
@@ -151,22 +152,10 @@ SMOKE = dict(preset="tiny", device="cpu", sessions="2", duration_s=4.0, client_p
 
 def parse_args(argv: list[str] | None, cls=None, smoke: dict | None = None, prog: str = "python -m bench.pipeline",
                doc: str | None = None) -> BenchConfig:
-    """Flags for every field of `cls` (BenchConfig or a subclass); --smoke starts from `smoke`."""
-    cls = cls or BenchConfig
-    smoke = SMOKE if smoke is None else smoke
-    ap = argparse.ArgumentParser(prog=prog, description=doc or __doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            ap.add_argument(flag, dest=f.name, action="store_true", default=None)
-        else:
-            conv = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-            ap.add_argument(flag, dest=f.name, type=conv, default=None, help=f"default {f.default!r}")
-    given = {k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None}
-    cfg = cls(**{**(smoke if given.get("smoke") else {}), **given})
-    cfg.validate()
-    return cfg
+    """A flag and a BENCH_<FIELD> variable for every field of `cls` (BenchConfig or a subclass; the loader of
+    services/common/config.py); --smoke starts from `smoke`, and explicit flags and variables still win."""
+    return load_config(cls or BenchConfig, ENV_PREFIX, argv, prog=prog, description=doc or __doc__,
+                       presets={"smoke": SMOKE if smoke is None else smoke})
 
 
 def public_config(cfg: BenchConfig) -> dict:

@@ -122,6 +122,14 @@ def test_help_comes_from_the_field(capsys):
     assert "--inner" not in out and "--secret" not in out
 
 
+def test_a_preset_replaces_defaults_and_the_environment_and_flags_still_win():
+    presets = {"loud": {"count": 9, "name": "preset"}}
+    assert (toy([], {}, presets=presets).count, toy([], {}, presets=presets).name) == (1, "toy")  # switch off
+    cfg = toy(["--loud", "--name", "flag"], {"TOY_RATIO": "0.1"}, presets=presets)
+    assert (cfg.count, cfg.name, cfg.ratio) == (9, "flag", 0.1)
+    assert toy([], {"TOY_LOUD": "1", "TOY_COUNT": "3"}, presets=presets).count == 3
+
+
 def test_a_field_without_a_default_must_be_given():
     @dataclass
     class Need:

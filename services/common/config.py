@@ -59,25 +59,31 @@ def option(default: Any = dataclasses.MISSING, *, help: str = "", parse: Callabl
 
 def load_config(cls: type[T], env_prefix: str, argv: Sequence[str] | None = None,
                 env: Mapping[str, str] | None = None, *, prog: str | None = None, description: str | None = None,
-                derive: Callable[[dict[str, Any]], None] | None = None) -> T:
+                derive: Callable[[dict[str, Any]], None] | None = None,
+                presets: Mapping[str, Mapping[str, Any]] | None = None) -> T:
     """`cls` from its defaults, then `env` (os.environ by default), then `argv` (sys.argv[1:] by default).
 
-    derive(values) may fill or adjust fields from others before the dataclass is built (a ValueError it
-    raises is a ConfigError too)."""
+    presets {"smoke": {...}}: when the bool field `smoke` ends up true, its values replace those fields'
+    defaults (the environment and flags still win). derive(values) may fill or adjust fields from others
+    before the dataclass is built (a ValueError it raises is a ConfigError too)."""
     env = os.environ if env is None else env
     # No abbreviations: --slot is a typo, not --slots (and adding a field must not break a command line).
     parser = _Parser(prog=prog, description=description if description is not None else cls.__doc__,
-                     allow_abbrev=False)
+                     allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     options = _options(cls, env_prefix)
-    values = {o.name: o.default() for o in options if o.has_default}
+    defaults = {o.name: o.default() for o in options if o.has_default}
     try:
-        values.update(_from_env(options, env_prefix, env))
+        given = _from_env(options, env_prefix, env)
     except ValueError as e:
         parser.error(str(e))
     for o in options:
         if o.settable:
-            o.add_to(parser, values.get(o.name, dataclasses.MISSING))
-    values.update(vars(parser.parse_args(list(argv) if argv is not None else sys.argv[1:])))
+            o.add_to(parser, given.get(o.name, defaults.get(o.name, dataclasses.MISSING)))
+    given.update(vars(parser.parse_args(list(argv) if argv is not None else sys.argv[1:])))
+    values = {**defaults, **given}
+    for switch, preset in (presets or {}).items():
+        if values[switch]:
+            values = {**values, **preset, **given}
     try:
         if derive is not None:
             derive(values)
