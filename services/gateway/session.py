@@ -123,10 +123,6 @@ class ClientSession:
             self._close_code, self._close_reason = code, reason
             self._ended.set()
 
-    @property
-    def ended(self) -> bool:
-        return self._ended.is_set()
-
     def in_background(self, coro: Awaitable) -> None:
         """Run `coro` beside the session; `run` waits for it before the socket closes."""
         task = asyncio.ensure_future(coro)
