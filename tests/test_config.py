@@ -232,6 +232,20 @@ def test_load_driver_loads_from_its_environment_and_flags():
         driver_args([], {"LOAD_DRIVER_PROCS": "many"})
 
 
+def test_run_stack_and_the_pipeline_benchmark_load_from_their_environment_and_flags(monkeypatch):
+    from bench.pipeline import parse_args as bench_args
+    from tools.run_stack import ENV_PREFIX, StackOptions
+
+    env = {"RUN_STACK_SESSIONS": "4", "RUN_STACK_CHECKPOINT": ""}
+    opts = load_config(StackOptions, ENV_PREFIX, ["--cells", "2"], env)
+    assert (opts.sessions, opts.cells, opts.checkpoint, opts.talker_tick_ms) == (4, 2, None, None)
+    with pytest.raises(ConfigError, match="sessions and cells must be >= 1"):
+        load_config(StackOptions, ENV_PREFIX, ["--sessions", "0"], {})
+    monkeypatch.setenv("BENCH_SESSIONS", "3")  # over the --smoke preset's 2, under the flag
+    assert bench_args(["--smoke"]).sessions == "3" and bench_args(["--smoke", "--sessions", "4"]).sessions == "4"
+    assert bench_args(["--smoke"]).device == "cpu" and bench_args([]).device == "cuda"
+
+
 def test_a_service_process_refuses_a_bad_variable_before_it_starts():
     """The real entry point, as a deployment runs it: status 2 and the variable's name on stderr."""
     run = subprocess.run([sys.executable, "-m", "services.gateway", *CELLS], cwd=REPO_ROOT, capture_output=True,
