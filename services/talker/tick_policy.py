@@ -23,8 +23,8 @@ TALKING_PERIODS = 1.5
 # The input wait also leaves room for the slowest of the last RECENT_STEPS main steps (plus
 # WAIT_MARGIN_S for the outputs): the average alone lets a wait and a slow step together run a
 # tick past its period.
-RECENT_STEPS = 64
-WAIT_MARGIN_S = 0.002
+RECENT_STEPS = 256
+WAIT_MARGIN_S = 0.003
 
 
 def ema(average: float | None, sample: float) -> float:
