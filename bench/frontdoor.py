@@ -77,7 +77,8 @@ class FrontdoorConfig(BenchConfig):
 
 
 SMOKE = dict(preset="tiny", device="cpu", sessions="3", duration_s=4.0, mps=False, probe_sessions=1, probe_cycle_s=1.5,
-             driver_procs=2, gateway_workers="2", min_ticks_pct=0.0, max_first_audio_p99_ms=5000.0, ready_timeout_s=120.0, open_timeout_s=60.0,
+             driver_procs=2, gateway_workers="2", min_ticks_pct=0.0, max_first_audio_p99_ms=5000.0,
+             ready_timeout_s=120.0, open_timeout_s=60.0,
              progress_every_s=1.0, drain_s=2.0, out=os.path.join(tempfile.gettempdir(), "frontdoor-smoke"))
 
 
@@ -135,8 +136,8 @@ def profile_gateway(cfg: FrontdoorConfig, pids: dict[str, int], n: int) -> list[
     async def one(name: str, pid: int) -> None:
         await asyncio.sleep(cfg.duration_s / 3)
         path = Path(cfg.out) / f"frontdoor-n{n}-{name}.pyspy.txt"
-        proc = await asyncio.create_subprocess_exec(exe, "record", "-p", str(pid), "-d", str(cfg.profile_s), "-r", "100",
-                                                    "-f", "raw", "-o", str(path), "--nonblocking",
+        proc = await asyncio.create_subprocess_exec(exe, "record", "-p", str(pid), "-d", str(cfg.profile_s),
+                                                    "-r", "100", "-f", "raw", "-o", str(path), "--nonblocking",
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await proc.wait()
 
@@ -145,7 +146,8 @@ def profile_gateway(cfg: FrontdoorConfig, pids: dict[str, int], n: int) -> list[
 
 # ---- probes: hang up and call again under load ------------------------------------------------------
 
-async def probe_slot(url: str, cfg: FrontdoorConfig, pcm16_b64: list[str], stop: asyncio.Event, cycles: list[dict]) -> None:
+async def probe_slot(url: str, cfg: FrontdoorConfig, pcm16_b64: list[str], stop: asyncio.Event,
+                     cycles: list[dict]) -> None:
     """Open, talk for probe_cycle_s at 80 ms pacing, close; again until `stop`. Each cycle's record:
     open_ms (connect -> session.created), first_audio_ms (connect -> first audio delta), or its error."""
     frames = max(2, round(cfg.probe_cycle_s / PERIOD_S))
@@ -168,7 +170,8 @@ async def probe_slot(url: str, cfg: FrontdoorConfig, pcm16_b64: list[str], stop:
                 await asyncio.sleep(max(0.0, start + i * PERIOD_S - time.monotonic()))
                 await s.send({"type": "input_audio_buffer.append", "audio": pcm16_b64[i % len(pcm16_b64)]}, 10.0)
                 if "first_audio_ms" not in rec:
-                    got = next((at for e, at in zip(s.events, s.received_at) if e["type"].endswith("audio.delta")), None)
+                    got = next((at for e, at in zip(s.events, s.received_at)
+                                if e["type"].endswith("audio.delta")), None)
                     if got is not None:
                         rec["first_audio_ms"] = round((got - t0) * 1e3, 1)
             await s.request_close(10.0)
@@ -206,7 +209,8 @@ async def wait_sessions_live(gateway: GatewayProcess, n: int, timeout_s: float) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            text = await asyncio.to_thread(lambda: LOCAL_HTTP.open(gateway.http_url + "/metrics", timeout=3).read().decode())
+            text = await asyncio.to_thread(
+                lambda: LOCAL_HTTP.open(gateway.http_url + "/metrics", timeout=3).read().decode())
             live = sum(v for (name, _), v in parse_metrics(text).items() if name == "gateway_sessions_active")
             if live >= n:
                 return
@@ -218,8 +222,8 @@ async def wait_sessions_live(gateway: GatewayProcess, n: int, timeout_s: float) 
 def driver_summary(result: dict) -> dict:
     """What this report reads of the driver's merged load-result.json (tools/load_driver/__init__.py)."""
     summary = result.get("summary") or {}
-    keys = ("sessions", "admitted", "passed_sessions", "driver_procs", "frame_latency_ms", "frame_deficit", "underrun_s",
-            "client_own_send_lateness_p99_ms", "client_send_rtf")
+    keys = ("sessions", "admitted", "passed_sessions", "driver_procs", "frame_latency_ms", "frame_deficit",
+            "underrun_s", "client_own_send_lateness_p99_ms", "client_send_rtf")
     return {"verdict": result.get("verdict"), "reasons": (result.get("reasons") or [])[:10],
             **{k: summary.get(k) for k in keys}}
 
@@ -247,7 +251,8 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
         pcm, _ = input_signal(None, 200, seed=1)
         pcm16 = [base64.b64encode((np.clip(pcm[i:i + FRAME], -1, 1) * 32767).astype("<i2").tobytes()).decode()
                  for i in range(0, len(pcm) - FRAME + 1, FRAME)]
-        probes = [asyncio.create_task(probe_slot(gateway.ws_url, cfg, pcm16, stop, cycles)) for _ in range(cfg.probe_sessions)]
+        probes = [asyncio.create_task(probe_slot(gateway.ws_url, cfg, pcm16, stop, cycles))
+                  for _ in range(cfg.probe_sessions)]
         t0 = time.monotonic()
         before = await asyncio.to_thread(scrape, procs)
         pids = {**{s: p.proc.pid for s, p in procs.items()}, **gateway_pids(gateway)}
@@ -281,14 +286,16 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
     result = json.loads(result_path.read_text())
     talker = talker_block(before["talker"], after["talker"])
     stages = {s: stage_block(before[s], after[s], s) for s in STAGES}
-    messages = {s: {d: round(v / elapsed, 1) for d, v in counter_by_label(before[s], after[s], "duplex_stage_link_messages",
-                                                                              "direction", stage=s).items()}
+    messages = {s: {d: round(v / elapsed, 1)
+                    for d, v in counter_by_label(before[s], after[s], "duplex_stage_link_messages",
+                                                 "direction", stage=s).items()}
                 for s in STAGES}
     probes_ = probe_report(cycles)
     drv = driver_summary(result)
     ticks_pct = None if talker["tick_share_le_80ms"] is None else round(100 * talker["tick_share_le_80ms"], 2)
     checks = {"driver_pass": drv.get("verdict") == "PASS",
-              "probes_got_audio": probes_["cycles"] > 0 and probes_["with_audio"] == probes_["opened"] and not probes_["errors"],
+              "probes_got_audio": (probes_["cycles"] > 0 and probes_["with_audio"] == probes_["opened"]
+                                   and not probes_["errors"]),
               "ticks_within_80ms": ticks_pct is not None and ticks_pct >= cfg.min_ticks_pct,
               "first_audio": (probes_["first_audio_ms"] or {}).get("p99", float("inf")) <= cfg.max_first_audio_p99_ms}
     if (out_dir / "load-timeline.png").is_file():
@@ -322,6 +329,11 @@ def print_table(result: dict) -> None:
               f"{_q(r['e2e_ms'], 'p50') + '/' + _q(r['e2e_ms'], 'p99'):>12} "
               f"{_q(r['first_audio_ms'], 'p50') + '/' + _q(r['first_audio_ms'], 'p99'):>18} "
               f"{str(r['driver'].get('verdict')):>8} {gw:>9.2f} {msgs:>30}")
+
+
+def no_paths(text: str) -> str:
+    """An error for the committed results: the machine's checkout path becomes <repo>."""
+    return text.replace(str(REPO_ROOT), "<repo>")
 
 
 def plot(result: dict, path: Path) -> Path | None:
@@ -404,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             except ServiceStartError as e:
                 log(f"services: did not start with {slots} slots: {str(e)[-1500:]}")
-                result["runs"].append({"sessions": slots, "passed": False, "failed": f"services did not start: {str(e)[-1500:]}"})
+                result["runs"].append({"sessions": slots, "passed": False,
+                                       "failed": f"services did not start: {no_paths(str(e))[-1500:]}"})
                 write()
         else:
             return 3
@@ -424,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run = asyncio.run(run_n(cfg, procs, gateway, n, work))
             except Exception as e:  # one N's failure is a row of the report
-                run = {"sessions": n, "passed": False, "failed": f"{type(e).__name__}: {e}"[-3000:]}
+                run = {"sessions": n, "passed": False, "failed": no_paths(f"{type(e).__name__}: {e}")[-3000:]}
             log(f"N={n}: {'PASS' if run.get('passed') else 'FAIL'} {json.dumps(run.get('checks', run.get('failed')))}")
             result["runs"].append(run)
             write()
