@@ -94,9 +94,8 @@ class BenchConfig:
     no_compile: bool = False  # the talker without torch.compile'd elementwise kernels (A/B)
     talker_args: str = ""  # extra talker flags, e.g. "--max-backlog-s 3"
     codec_args: str = ""  # extra encoder/decoder flags
-    # Extra flags of one codec (after --codec-args), e.g. the phased encoder and a decoder that
-    # steps as soon as a tick's outputs are in: --encoder-args "--step-phase-ms 65"
-    # --decoder-args "--batch-wait-ms 3" (services/common/frame_grid.py)
+    # Extra flags of one codec (after --codec-args), e.g. a decoder that steps as soon as a tick's
+    # outputs are in: --decoder-args "--batch-wait-ms 3"
     encoder_args: str = ""
     decoder_args: str = ""
     window_s: float = 10.0  # output-rate windows

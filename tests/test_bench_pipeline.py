@@ -416,12 +416,12 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
 def test_per_codec_flags_go_to_that_codec_only_and_last(tmp_path):
     from bench.pipeline import parse_args, service_args
 
-    cfg = parse_args(["--smoke", "--codec-args", "--batch-wait-ms 9", "--encoder-args", "--step-phase-ms 65",
+    cfg = parse_args(["--smoke", "--codec-args", "--batch-wait-ms 9", "--encoder-args", "--gil-switch-ms 0.5",
                       "--decoder-args", "--batch-wait-ms 3"])
     args = service_args(cfg, tmp_path, 4)
-    assert args["encoder"][-4:] == ["--batch-wait-ms", "9", "--step-phase-ms", "65"]
+    assert args["encoder"][-4:] == ["--batch-wait-ms", "9", "--gil-switch-ms", "0.5"]
     assert args["decoder"][-4:] == ["--batch-wait-ms", "9", "--batch-wait-ms", "3"]  # the last wins
-    assert "--step-phase-ms" not in args["decoder"] + args["talker"]
+    assert "0.5" not in args["decoder"] + args["talker"]
 
 
 def test_the_benchmarks_run_the_gpu_overlays_profile(tmp_path):

@@ -191,61 +191,6 @@ async def test_warmup_runs_on_the_worker_then_syncs_and_empties_the_cuda_cache(m
     assert batcher.steps == 0  # not a served step
 
 
-async def test_a_phased_batcher_steps_on_the_frame_grid_and_at_once_for_a_backlog():
-    """step_phase_s: frames submitted 20 ms apart just after a grid time are stepped together at
-    the next one (k * 80 ms + phase of the monotonic clock), not on arrival. After a stall, a
-    stream's first frame waits for the grid too, but the frames behind it (read at once after its
-    answer, half a period or more behind the stream's pace) are stepped now, not a period apart."""
-    import asyncio
-    import time
-
-    from services.common.frame_grid import next_grid_time
-
-    loop = asyncio.get_running_loop()
-    steps = []
-
-    def step(x, active):  # on the worker thread; time.monotonic() is the loop's clock
-        steps.append((time.monotonic(), active.nonzero().flatten().tolist()))
-        return x[:, :8]
-
-    period, phase = 0.080, 0.030
-    batcher = CodecBatcher(StageRuntime("encoder", 4), step, lambda slot: None, (FRAME,), torch.float32,
-                           step_phase_s=phase)
-    batcher.start()
-
-    def on_grid(t: float) -> bool:
-        return (t - phase) % period < 0.03
-
-    try:
-        await asyncio.sleep(next_grid_time(loop.time(), period, phase) - loop.time() + 0.005)  # just past a grid time
-        first = loop.time()
-        a = asyncio.ensure_future(batcher.submit(0, torch.zeros(FRAME)))
-        await asyncio.sleep(0.02)
-        b = asyncio.ensure_future(batcher.submit(1, torch.ones(FRAME)))
-        out_a, out_b = await asyncio.gather(a, b)
-        assert torch.equal(out_a, torch.zeros(8)) and torch.equal(out_b, torch.ones(8))
-        assert len(steps) == 1 and steps[0][1] == [0, 1] and steps[0][0] - first > 0.05 and on_grid(steps[0][0])
-        await asyncio.sleep(0.17)  # a stall: stream 0's next frames arrive late, then at once
-        await batcher.submit(0, torch.zeros(FRAME))
-        assert len(steps) == 2 and on_grid(steps[1][0])  # arrived on its own: the grid
-        again = loop.time()
-        await batcher.submit(0, torch.zeros(FRAME))  # at once after its answer, 2 frames behind: now
-        assert len(steps) == 3 and steps[2][0] - again < 0.03 < next_grid_time(again, period, phase) - again
-    finally:
-        await batcher.stop()
-
-
-def test_codec_step_phase_must_be_off_or_inside_the_period():
-    from services.encoder.config import EncoderConfig
-
-    ckpt = ["--checkpoint", "/x"]
-    assert EncoderConfig.load([*ckpt, "--step-phase-ms", "65"], env={}).step_phase_ms == 65.0
-    assert EncoderConfig.load(ckpt, env={}).step_phase_ms == -1.0  # off: step on arrival
-    for bad in ("80", "-2", "-0.5"):
-        with pytest.raises(SystemExit, match="step_phase_ms must be -1"):
-            EncoderConfig.load([*ckpt, "--step-phase-ms", bad], env={})
-
-
 @pytest.fixture(scope="module")
 def mimi(tiny_checkpoint) -> MimiModel:
     paths = CheckpointPaths.open(tiny_checkpoint, require=("mimi",))

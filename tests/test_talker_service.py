@@ -803,7 +803,7 @@ async def test_a_session_that_ended_gets_no_more_prefill(tiny_checkpoint):
 
 async def test_the_clock_ticks_on_the_cells_frame_grid(tiny_checkpoint):
     """Deadlines are k * tick_s + tick_phase_s of the monotonic clock (services/common/frame_grid.py),
-    whenever the clock started: a phased encoder in another process steps just before them."""
+    whenever the clock started, so every process of the cell knows them."""
     period = 0.08
     for phase in (0.03, 0.065):  # two phases: a clock off the grid cannot pass both by chance
         eng = RecordingEngine(engine(tiny_checkpoint, "classic"))

@@ -16,10 +16,6 @@ state bit for bit) but captures the CUDA graph (cuda_graph) and does the lazy CU
 then, on CUDA, synchronize and empty_cache hand back the cached blocks of the capture's eager
 warm-up steps.
 
-With step_phase_ms the batcher is phased: it steps once per frame period at a fixed point of
-the cell's frame grid (services/common/frame_grid.py) with every frame pending then, so its GPU
-work lands between the talker's steps instead of inside them.
-
 CodecStream.serve: one bidirectional stream, the same for both services:
 open -> slot (reset) -> `opened`; then per frame: seq check, payload check,
 batched step, one response with the same seq; end/cancel/error -> slot released
@@ -40,29 +36,12 @@ import torch
 
 from services.common.config import option
 from services.common.errors import Internal, InvalidArgument, StageError
-from services.common.frame_grid import next_grid_time
 from services.common.link import serve_link
 from services.common.process import configure_process
 from services.common.stage_config import StageConfig
-from services.common.stage_server import FRAME_MS, StageRpcs, StageRuntime, StageServer, freeze_startup_heap
+from services.common.stage_server import StageRpcs, StageRuntime, StageServer, freeze_startup_heap
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x[slots,...], active[slots]) -> out[slots,...]
-
-
-# Phased batcher, backlog test: a frame submitted this soon after its stream's previous answer
-# (so it was already waiting in the stream) while the stream is at least half a period behind its
-# own best pace (first frame + n periods) comes from a backlog, e.g. a network stall's burst, and
-# is stepped at once instead of at the grid time. A stream that merely paused and resumed sends
-# its frames on their own (not at once after an answer) and keeps to the grid.
-BACKLOG_GAP_S = 0.005
-
-
-@dataclass
-class _Pace:
-    first: float  # loop time of the stream's first frame
-    frames: int = 0  # frames submitted so far
-    min_lag: float = 0.0  # least lag behind first + n * period of any frame so far
-    answered: float = float("-inf")  # loop time its latest answer was handed back
 
 
 class CodecBatcher:
@@ -74,7 +53,6 @@ class CodecBatcher:
         in_shape: tuple[int, ...],
         in_dtype: torch.dtype,
         batch_wait_s: float = 0.0,
-        step_phase_s: float | None = None,
     ):
         self.runtime = runtime
         self.pool = runtime.pool
@@ -82,12 +60,6 @@ class CodecBatcher:
         self._step, self._reset = step, reset
         self.in_shape, self.in_dtype = in_shape, in_dtype
         self.batch_wait_s = batch_wait_s
-        # Phased (step_phase_s set): one step per frame period, at k * period + step_phase_s on the
-        # cell's frame grid, instead of on arrival (module doc of services/common/frame_grid.py).
-        self.step_phase_s = step_phase_s
-        self.period_s = runtime.frame_ms / 1000.0
-        self._pace: dict[int, _Pace] = {}  # slot -> its stream's pace (phased: the backlog test)
-        self._urgent = False  # a phased batch holds a frame from a backlog: step now, not at the grid time
         self._pending: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{runtime.stage}-step")
@@ -108,7 +80,6 @@ class CodecBatcher:
 
     async def reset(self, slot: int) -> None:
         """Reset a freshly acquired slot's codec state (on the worker, never during a step)."""
-        self._pace.pop(slot, None)
         self.pool.pin([slot])
         try:
             await asyncio.get_running_loop().run_in_executor(self._worker, self._reset, slot)
@@ -122,23 +93,8 @@ class CodecBatcher:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending[slot] = (x, fut)
-        pace = self._pace.setdefault(slot, _Pace(first=loop.time()))
-        if self.step_phase_s is not None and self._behind(pace, loop.time()):
-            # Waiting for the grid would hold a backlog to one frame per period, exactly real
-            # time, and it would never clear.
-            self._urgent = True
-        pace.frames += 1
         self._wake.set()
-        try:
-            return await fut
-        finally:
-            pace.answered = loop.time()
-
-    def _behind(self, pace: _Pace, now: float) -> bool:
-        """Whether this frame of the stream comes from a backlog (BACKLOG_GAP_S says how we tell)."""
-        lag = now - (pace.first + pace.frames * self.period_s)
-        pace.min_lag = min(pace.min_lag, lag)
-        return now - pace.answered <= BACKLOG_GAP_S and lag - pace.min_lag >= self.period_s / 2
+        return await fut
 
     async def warmup(self, device: str | torch.device = "cpu") -> float:
         """One step with every slot inactive, on the worker thread (before `start`); returns its seconds.
@@ -161,7 +117,6 @@ class CodecBatcher:
 
     def discard(self, slot: int) -> None:
         """Drop a pending (not yet stepped) frame of a stream that ended."""
-        self._pace.pop(slot, None)
         item = self._pending.pop(slot, None)
         if item is not None and not item[1].done():
             item[1].cancel()
@@ -182,28 +137,19 @@ class CodecBatcher:
         """Wait up to batch_wait_s for more frames, but not once every live stream has one pending.
 
         A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape
-        batch), so a short wait that lets streams of a different phase join saves whole steps.
-        (Counting the wait from the oldest pending frame instead, so a frame that waited through a
-        step is not held again, made more encoder steps beside the talker's: at 160 sessions on the
-        H200 ticks within 80 ms fell from 100 % to 98.9 % and frame latency p50 rose 190 -> 206 ms.)"""
+        batch), so a short wait that lets streams of a different phase join saves whole steps. The wait
+        counts from now, not from the oldest pending frame: that made more encoder steps beside the
+        talker's (bench/RESULTS.md, front door run 3)."""
         await self._wait_until(loop, loop.time() + self.batch_wait_s,
                                lambda: len(self._pending) >= len(self.runtime.streams))
-
-    async def _until_grid(self, loop) -> None:
-        """Phased: wait for the next grid time, or less if a frame from a backlog arrives."""
-        await self._wait_until(loop, next_grid_time(loop.time(), self.period_s, self.step_phase_s),
-                               lambda: self._urgent)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.step_phase_s is not None:
-                await self._until_grid(loop)
-            elif self.batch_wait_s > 0:
+            if self.batch_wait_s > 0:
                 await self._gather(loop)
-            self._urgent = False
             batch, self._pending = self._pending, {}
             batch = {s: item for s, item in batch.items() if not item[1].done()}
             if not batch:
@@ -215,14 +161,16 @@ class CodecBatcher:
                 x = torch.zeros((self.pool.total, *self.in_shape), dtype=self.in_dtype)
                 active = torch.zeros(self.pool.total, dtype=torch.bool)
                 index = torch.tensor(slots)
-                x[index] = torch.stack([batch[s][0] for s in slots]).to(self.in_dtype)  # a few calls, not two per stream
+                # a few calls, not two per stream
+                x[index] = torch.stack([batch[s][0] for s in slots]).to(self.in_dtype)
                 active[index] = True
                 out = await loop.run_in_executor(self._worker, self._step, x, active)
             except Exception as e:  # a failed step ends the streams in it, not the service
                 self.runtime.log.exception("step failed for slots %s", slots)
                 for s in slots:
                     if not batch[s][1].done():
-                        batch[s][1].set_exception(Internal(f"{self.runtime.stage} step failed: {type(e).__name__}: {e}", kind="step_failed"))
+                        batch[s][1].set_exception(Internal(
+                            f"{self.runtime.stage} step failed: {type(e).__name__}: {e}", kind="step_failed"))
                 continue
             finally:
                 self.pool.unpin(slots)
@@ -260,7 +208,8 @@ class CodecStream:
             if first is grpc.aio.EOF:
                 return
             if first.WhichOneof("kind") != "open":
-                raise InvalidArgument("the first message of a stream must be `open` (with the stream id)", kind="not_open")
+                raise InvalidArgument("the first message of a stream must be `open` (with the stream id)",
+                                      kind="not_open")
             stream_id = first.open.stream_id
             handle = runtime.open_stream(stream_id)
             await self.batcher.reset(handle.slot)
@@ -271,7 +220,8 @@ class CodecStream:
                     reason = "ok"
                     return
                 if req.WhichOneof("kind") != self.frame_field:
-                    raise InvalidArgument(f"stream {stream_id!r} is already open; expected a `{self.frame_field}`", kind="not_frame")
+                    raise InvalidArgument(f"stream {stream_id!r} is already open; expected a `{self.frame_field}`",
+                                          kind="not_frame")
                 frame = getattr(req, self.frame_field)
                 handle.seq.check(frame.seq)  # refused frames never reach the codec
                 x = self.parse_frame(frame)
@@ -310,19 +260,11 @@ class CodecServiceConfig(StageConfig):
     # Never waits once every live stream has a frame pending: fewer, fuller steps for a little latency.
     batch_wait_ms: float = option(5.0, help="after the first pending frame, wait up to this long for other "
                                             "streams' frames")
-    # Phased: at k * 80 ms + P of the machine's monotonic clock, the cell's frame grid the talker ticks on
-    # (services/common/frame_grid.py), so this stage's GPU work and the talker's do not overlap. A frame read
-    # at once after its stream's last answer (a backlog) is stepped without waiting. Measured worse than off
-    # on the H200 at 144-160 full-context sessions (bench/RESULTS.md).
-    step_phase_ms: float = option(-1.0, help="-1: step when frames arrive; 0 <= P < 80: once per frame period, "
-                                             "at phase P of the frame grid")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
-        if self.step_phase_ms != -1.0 and not 0.0 <= self.step_phase_ms < FRAME_MS:
-            raise ValueError(f"step_phase_ms must be -1 (off) or in [0, {FRAME_MS}), got {self.step_phase_ms}")
 
 
 def load_mimi(cfg: CodecServiceConfig, keep: str | None = None):
@@ -379,8 +321,8 @@ class CodecService:
         self.runtime = StageRuntime(stage, cfg.slots, stream_idle_timeout_s=cfg.stream_idle_timeout_s)
         self.runtime.metrics.track_gpu(cfg.device)  # the duplex_stage_gpu_memory_* gauges (CUDA only)
         self.warmup_s: float | None = None
-        self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype, batch_wait_s=cfg.batch_wait_ms / 1000,
-                                    step_phase_s=None if cfg.step_phase_ms < 0 else cfg.step_phase_ms / 1000)
+        self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype,
+                                    batch_wait_s=cfg.batch_wait_ms / 1000)
         self.stream = CodecStream(self.runtime, self.batcher, frame_field="frame", parse_frame=parse_frame,
                                   opened=opened, answer=answer)
         servicer = servicer_cls(self.runtime, self.stream)

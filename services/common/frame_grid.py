@@ -1,11 +1,8 @@
 """The cell's shared frame grid: period k starts at k * period + phase seconds of CLOCK_MONOTONIC
 (time.monotonic(), asyncio's loop.time()), which every process on one machine reads alike.
 
-Why: the encoder, talker and decoder of a cell share one GPU, and their kernels slow one another
-down when they overlap (the talker's step is slower beside the codecs than alone; bench/RESULTS.md).
-The talker ticks on this grid, so another process can place its own work relative to the talker's
-deadlines without talking to it: an encoder with `step_phase_ms` steps once per period just before
-them (services/codec/stage.py).
+Why: the talker ticks on this grid, so its deadlines are known to every process of the cell (and
+to a benchmark) without asking it: period k's deadline is the same number in each of them.
 """
 
 from __future__ import annotations
