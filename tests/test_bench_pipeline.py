@@ -397,7 +397,10 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
     talker = run["talker"]
     assert talker["tick_ms"]["count"] > 0 and talker["tick_ms"]["p99"] > 0
     assert 0.0 <= talker["tick_share_le_80ms"] <= 1.0
-    assert talker["frames_advanced"] == frames["in_total"] + probes["frames_in"]
+    # one step per input, and per stream at most one more: the step of its last input, when it ran
+    # before the input ended (the talker steps ahead)
+    surplus = talker["frames_advanced"] - (frames["in_total"] + probes["frames_in"])
+    assert 0 <= surplus <= run["steady_sessions"] + probes["cycles"]
     assert talker["backlog_refusals"] == 0
 
     assert run["backlog_frames"]["growing"] in (True, False)

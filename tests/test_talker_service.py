@@ -482,7 +482,8 @@ def test_subprocess_serves_and_drains_on_sigterm(tiny_checkpoint):
 
         ready, outs, text, refused = asyncio.run(talk())
         assert len(outs) == 8 - ready.output_delay_frames
-        assert re.search(r"^duplex_talker_frames_advanced_total 8\.0$", text, re.M), text
+        # 8 steps, and the one that took the last input if it ran before the input ended (step ahead)
+        assert re.search(r"^duplex_talker_frames_advanced_total [89]\.0$", text, re.M), text
         assert "duplex_talker_tick_lateness_seconds_bucket" in text
         assert refused == grpc.StatusCode.UNAVAILABLE
         assert proc.proc.wait(timeout=20) == 0  # exits by itself once the live session ended
