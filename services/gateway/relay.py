@@ -41,7 +41,8 @@ from services.gateway.cells import STAGES, Cell
 
 log = logging.getLogger("gateway.relay")
 
-_REQUESTS = {"encoder": encoder_pb2.EncodeRequest, "talker": talker_pb2.TalkRequest, "decoder": decoder_pb2.DecodeRequest}
+_REQUESTS = {"encoder": encoder_pb2.EncodeRequest, "talker": talker_pb2.TalkRequest,
+             "decoder": decoder_pb2.DecodeRequest}
 _LINK_REQUESTS = {"encoder": encoder_pb2.EncodeLinkRequest, "talker": talker_pb2.TalkLinkRequest,
                   "decoder": decoder_pb2.DecodeLinkRequest}
 _LINK_METHODS = {"encoder": "EncodeLink", "talker": "TalkLink", "decoder": "DecodeLink"}
@@ -275,7 +276,8 @@ class CellLink:
 # ---- one session --------------------------------------------------------------------------------
 
 class Relay:
-    def __init__(self, cell: Cell, link: CellLink, params: OpenParams, stall_timeout_s: float, cleanup_timeout_s: float):
+    def __init__(self, cell: Cell, link: CellLink, params: OpenParams, stall_timeout_s: float,
+                 cleanup_timeout_s: float):
         self.cell = cell
         self.params = params
         self.ready: talker_pb2.TalkReady | None = None
@@ -309,8 +311,8 @@ class Relay:
         if not self.latencies:
             return {"frames": 0}
         ms = np.asarray(self.latencies) * 1000.0
-        return {"frames": int(ms.size), "p50_ms": round(float(np.median(ms)), 1), "p99_ms": round(float(np.percentile(ms, 99)), 1),
-                "max_ms": round(float(ms.max()), 1)}
+        return {"frames": int(ms.size), "p50_ms": round(float(np.median(ms)), 1),
+                "p99_ms": round(float(np.percentile(ms, 99)), 1), "max_ms": round(float(ms.max()), 1)}
 
     @property
     def failed(self) -> RelayError | None:
@@ -323,7 +325,8 @@ class Relay:
                       cleanup_timeout_s: float) -> "Relay":
         link = CellLink.of(cell)
         if params.stream_id in link.sessions:
-            raise RelayError("runtime_open_failed", f"stream id {params.stream_id!r} is already live on cell {cell.name}")
+            raise RelayError("runtime_open_failed",
+                             f"stream id {params.stream_id!r} is already live on cell {cell.name}")
         p = cls(cell, link, params, stall_timeout_s, cleanup_timeout_s)
         link.sessions[params.stream_id] = p
         opens = {
@@ -343,7 +346,8 @@ class Relay:
         if _open_outcome(p._opened["talker"]) is None:
             for stage in ("encoder", "decoder"):
                 p._send(stage, request=opens[stage])
-            await asyncio.wait([p._opened["encoder"], p._opened["decoder"]], timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait([p._opened["encoder"], p._opened["decoder"]],
+                               timeout=max(0.0, deadline - time.monotonic()))
         else:
             for stage in ("encoder", "decoder"):  # never opened there: nothing to end
                 p._stage_ended(stage, StageEnd(grpc.StatusCode.CANCELLED, "not_opened", "the talker refused first"))
@@ -369,7 +373,8 @@ class Relay:
         assert frame.shape == (FRAME_SAMPLES,)
         seq = self.frames_in
         self._sent_at[seq] = time.monotonic()
-        self._send("encoder", request=encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame))))
+        pcm = common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame))
+        self._send("encoder", request=encoder_pb2.EncodeRequest(frame=pcm))
         self.frames_in += 1
         await self._link.links["encoder"].room()
         return seq
@@ -399,11 +404,13 @@ class Relay:
         try:
             if stage == "encoder":
                 codes = resp.codes
-                self._send("talker", request=talker_pb2.TalkRequest(frame=common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes)))
+                frame = common_pb2.CodesFrame(seq=codes.seq, codes=codes.codes)
+                self._send("talker", request=talker_pb2.TalkRequest(frame=frame))
             elif stage == "talker":
                 out = resp.output
                 self._text[out.seq] = (out.input_seq, out.text_piece)
-                self._send("decoder", request=decoder_pb2.DecodeRequest(frame=common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes)))
+                frame = common_pb2.CodesFrame(seq=out.seq, codes=out.agent_codes)
+                self._send("decoder", request=decoder_pb2.DecodeRequest(frame=frame))
             else:
                 self._on_pcm(resp.pcm)
         except RelayError as e:
@@ -412,7 +419,8 @@ class Relay:
     def _on_pcm(self, pcm) -> None:
         input_seq, text = self._text.pop(pcm.seq, (None, ""))
         if input_seq is None:
-            raise RelayError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced", "decoder")
+            raise RelayError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced",
+                             "decoder")
         now = self._last_output_at = time.monotonic()
         sent = self._sent_at.get(input_seq, now)
         for s in [s for s in self._sent_at if s <= input_seq]:
@@ -433,7 +441,8 @@ class Relay:
             if not self._aborting:
                 self._fail(RelayError("runtime_stream_failed", f"{stage} ended the stream: {end.describe()}", stage))
         elif not self._closing:
-            self._fail(RelayError("runtime_stream_failed", f"{stage} ended the stream before the session closed", stage))
+            self._fail(RelayError("runtime_stream_failed", f"{stage} ended the stream before the session closed",
+                                  stage))
         elif not self._aborting:
             # A graceful close: each stage's end ends the next stage's input, after its last frame.
             if stage == "encoder":
@@ -497,8 +506,9 @@ class Relay:
         # A stage that failed cannot acknowledge; the session's cleanup is confirmed when every
         # stage that is still alive did.
         failed_stage = self._failed.stage if self._failed else None
-        self.cleanup_confirmed = all(end is not None and (end.ok or s == failed_stage or end.kind in ("link_lost", "not_opened"))
-                                     for s, end in ends.items())
+        self.cleanup_confirmed = all(
+            end is not None and (end.ok or s == failed_stage or end.kind in ("link_lost", "not_opened"))
+            for s, end in ends.items())
         if self._counted:
             self.cell.live_sessions -= 1
             self._counted = False
@@ -542,7 +552,8 @@ def _open_outcome(fut: asyncio.Future) -> StageEnd | RelayError | None:
 
 
 # The talker's `error-kind` of a refused open -> the Realtime error code the client sees.
-_TALKER_REFUSALS = {"bad_voice": "invalid_voice", "bad_persona": "invalid_instructions", "bad_sampling": "invalid_sampling"}
+_TALKER_REFUSALS = {"bad_voice": "invalid_voice", "bad_persona": "invalid_instructions",
+                    "bad_sampling": "invalid_sampling"}
 
 
 def _open_failure(cell: Cell, failures: dict[str, StageEnd | RelayError]) -> RelayError:

@@ -282,7 +282,8 @@ class TalkerService:
         log.info("engine loaded from %s in %.1f s: %d slots on %s (%s), %s alignment (attention window %d frames, "
                  "output delay %d frames)", paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device,
                  cfg.torch_dtype, self.engine.alignment, self.engine.context, self.engine.output_delay_frames)
-        runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms), stream_idle_timeout_s=cfg.stream_idle_timeout_s)
+        runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms),
+                               stream_idle_timeout_s=cfg.stream_idle_timeout_s)
         metrics = TalkerMetrics(runtime.metrics)
         runtime.metrics.track_gpu(cfg.device)
         self.clock = ConversationClock(
