@@ -64,7 +64,7 @@ class ConversationClock:
         self.policy = TickPolicy(tick_s, input_wait_s, catch_up_lag_frames)
         self.runner = StepRunner(engine, prefill_chunk_frames)
         self.engine = engine
-        self.step_ahead = bool(getattr(engine, "step_ahead", False))
+        self.step_ahead = engine.step_ahead  # step k queued when input k-1 arrives (module doc)
         self.pool = pool
         self.tick_s = tick_s
         self.tick_phase_s = tick_phase_s  # deadlines at k * tick_s + tick_phase_s
