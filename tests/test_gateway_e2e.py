@@ -48,8 +48,8 @@ async def drain(rt: RT, seconds: float) -> None:
 
 def check_output(rt: RT, min_frames: int) -> None:
     audio_ev, text_ev = rt.of("response.output_audio.delta"), rt.of("response.output_audio_transcript.delta")
-    assert len(audio_ev) >= min_frames, (f"{len(audio_ev)} audio deltas, expected >= {min_frames}", [e["type"] for e in rt.events],
-                                         rt.of("error"))
+    assert len(audio_ev) >= min_frames, (f"{len(audio_ev)} audio deltas, expected >= {min_frames}",
+                                         [e["type"] for e in rt.events], rt.of("error"))
     assert abs(len(audio_ev) - len(text_ev)) <= 1  # paired (the last pair may be mid-flight)
     assert not rt.of("response.audio.delta"), "legacy names must not be sent unasked"
     for e in audio_ev:
@@ -100,7 +100,8 @@ async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(s
         assert created["type"] == "session.created", created
         caps = created["session"]["capabilities"]
         assert caps["implementation_level"] == "model_native_duplex" and caps["chunk_period_ms"] == 80
-        assert caps["supports_multi_session"] and caps["supports_multi_session_same_replica"] and caps["max_sessions"] == 2
+        assert caps["supports_multi_session"] and caps["supports_multi_session_same_replica"]
+        assert caps["max_sessions"] == 2
         assert created["session"]["instructions"] == persona
     assert ca["session"]["voice"] == "NATF2.pt"
     await a.until("session.updated"), await b.until("session.updated")
@@ -109,7 +110,8 @@ async def test_two_paced_sessions_third_refused_and_slot_reuse_without_leakage(s
     c = await RT.connect(url)
     await c.send({"type": "session.update", "session": {"type": "realtime"}})
     err = await c.recv(60)
-    assert err["type"] == "error" and err["error"]["type"] == "rate_limit_error" and err["error"]["code"] == "resource_exhausted"
+    assert err["type"] == "error"
+    assert (err["error"]["type"], err["error"]["code"]) == ("rate_limit_error", "resource_exhausted")
     with pytest.raises(ConnectionClosed):
         while True:
             assert (await c.recv(30))["type"] != "session.created"
@@ -153,25 +155,28 @@ async def test_malformed_input_gets_one_typed_error_and_the_next_append_works(st
     await rt.until("session.updated")
     good = tone(1)
     f32 = lambda x: base64.b64encode(x.astype("<f4").tobytes()).decode()  # noqa: E731
+    append, update = {"type": "input_audio_buffer.append"}, {"type": "session.update"}
     bad = [
         ("not json", "invalid_json"),
         (json.dumps([1, 2]), "bad_event"),
         (json.dumps({"type": "no.such.event"}), "unknown_event"),
         (json.dumps({"type": "input_audio_buffer.append"}), "bad_audio"),
         (json.dumps({"type": "input_audio_buffer.append", "audio": "!!notbase64"}), "bad_audio"),
-        (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00" * 7).decode()}), "bad_audio"),
-        (json.dumps({"type": "input_audio_buffer.append", "audio": f32(np.array([0.1, np.nan] * 960, np.float32))}), "bad_audio"),
-        (json.dumps({"type": "input_audio_buffer.append", "audio": f32(good), "sample_rate_hz": 16000}), "unsupported_audio_format"),
-        (json.dumps({"type": "input_audio_buffer.append", "audio": f32(good), "format": "pcm16"}), "unsupported_audio_format"),
+        (json.dumps({**append, "audio": base64.b64encode(b"\x00" * 7).decode()}), "bad_audio"),
+        (json.dumps({**append, "audio": f32(np.array([0.1, np.nan] * 960, np.float32))}), "bad_audio"),
+        (json.dumps({**append, "audio": f32(good), "sample_rate_hz": 16000}), "unsupported_audio_format"),
+        (json.dumps({**append, "audio": f32(good), "format": "pcm16"}), "unsupported_audio_format"),
         (json.dumps({"type": "session.update", "session": {"voice": "../../etc/x.pt"}}), "invalid_voice"),
-        (json.dumps({"type": "session.update", "session": {"audio": {"output": {"speed": 1.5}}}}), "unsupported_feature"),
-        (json.dumps({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}), "unsupported_feature"),
+        (json.dumps({**update, "session": {"audio": {"output": {"speed": 1.5}}}}), "unsupported_feature"),
+        (json.dumps({**update, "session": {"tools": [{"type": "function", "name": "f"}]}}), "unsupported_feature"),
         (json.dumps({"type": "session.resume"}), "unsupported_feature"),
         (json.dumps({"type": "barge_in"}), "unsupported_feature"),
-        (json.dumps({"type": "conversation.item.truncate", "item_id": "item_nope", "audio_end_ms": 0}), "invalid_item_id"),
+        (json.dumps({"type": "conversation.item.truncate", "item_id": "item_nope", "audio_end_ms": 0}),
+         "invalid_item_id"),
     ]
     for i, (message, code) in enumerate(bad):
-        await rt.ws.send(message.replace('"type": "input_audio_buffer.append"', f'"type": "input_audio_buffer.append", "event_id": "c{i}"'))
+        await rt.ws.send(message.replace('"type": "input_audio_buffer.append"',
+                                         f'"type": "input_audio_buffer.append", "event_id": "c{i}"'))
         ev = await rt.recv(30)
         while ev["type"] != "error":
             ev = await rt.recv(30)  # output of earlier good appends may come first
@@ -199,7 +204,8 @@ async def test_openai_client_speaks_ga_events_with_bearer_key(stack):
     openai = pytest.importorskip("openai")
     # A second gateway on the same cells, with an operator-configured key.
     spec = stack.cell_procs[0].spec
-    gw = GatewayProcess(spec, args=GATEWAY_ARGS + ["--api-key-env", "TEST_GW_KEY"], env={"TEST_GW_KEY": "k-123"}).start()
+    gw = GatewayProcess(spec, args=GATEWAY_ARGS + ["--api-key-env", "TEST_GW_KEY"],
+                        env={"TEST_GW_KEY": "k-123"}).start()
     try:
         # Wrong key: refused at the HTTP upgrade with 401.
         with pytest.raises(InvalidStatus) as e:
@@ -332,7 +338,8 @@ async def test_socket_drop_ends_the_session_in_all_three_stages(stack):
     rt.ws.transport.abort()  # no close frame: the TCP connection just goes away
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        counts = (talker_active(), stage_capacity(stack, "encoder").active_streams, stage_capacity(stack, "decoder").active_streams)
+        counts = (talker_active(), stage_capacity(stack, "encoder").active_streams,
+                  stage_capacity(stack, "decoder").active_streams)
         if counts == (0, 0, 0):
             break
         await asyncio.sleep(0.2)
@@ -352,7 +359,8 @@ async def test_no_serving_cell_means_503_and_a_typed_open_failure():
         assert h is not None and h[0] == 503 and h[1]["serving_cells"] == 0
         rt = await RT.connect(gw.ws_url + "&model=personaplex")  # autostart: the session opens at connect
         ev = await rt.recv(30)
-        assert ev["type"] == "error" and ev["error"]["type"] == "server_error" and ev["error"]["code"] == "runtime_open_failed"
+        assert ev["type"] == "error"
+        assert (ev["error"]["type"], ev["error"]["code"]) == ("server_error", "runtime_open_failed")
         with pytest.raises(ConnectionClosed):
             await rt.recv(30)
     finally:
@@ -361,7 +369,8 @@ async def test_no_serving_cell_means_503_and_a_typed_open_failure():
 
 async def test_a_client_that_never_reads_is_cut_off_and_others_go_on(stack):
     # A gateway with a small per-session output bound, on the same cells.
-    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--output-queue-events", "8", "--send-buffer-bytes", "8192"]).start()
+    small = ["--output-queue-events", "8", "--send-buffer-bytes", "8192"]
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + small).start()
     try:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -373,7 +382,8 @@ async def test_a_client_that_never_reads_is_cut_off_and_others_go_on(stack):
 
         async def cutoffs() -> float:
             _, body, _ = http_get(gw.http_url + "/metrics")
-            return sum(float(l.rsplit(" ", 1)[1]) for l in body.decode().splitlines() if l.startswith("gateway_slow_client_cutoffs_total"))
+            return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+                       if line.startswith("gateway_slow_client_cutoffs_total"))
 
         x = tone(1)
         deadline = time.monotonic() + 120
@@ -397,7 +407,8 @@ async def test_talker_refusals_reach_the_client_as_typed_codes(stack):
     """Settings only the talker can judge (a well-formed but unbundled voice, a persona longer than
     the model's window) come back typed through the stage's `error-kind`, not guessed from text."""
     long_persona = " ".join(["You are patient and kind."] * 120)  # < 4000 chars, > 256 frames of tokens
-    for session, code in (({"voice": "NOPE0.pt"}, "invalid_voice"), ({"instructions": long_persona}, "invalid_instructions")):
+    for session, code in (({"voice": "NOPE0.pt"}, "invalid_voice"),
+                          ({"instructions": long_persona}, "invalid_instructions")):
         rt = await RT.connect(stack.gateway.ws_url)
         ev = await rt.open(**session)
         assert ev["type"] == "error" and ev["error"]["code"] == code, (session.keys(), ev)
@@ -426,8 +437,9 @@ async def test_cancel_and_truncate_keep_the_session_and_the_lifecycle_is_ga(stac
         await rt.wait_frames(3)
         first = rt.of("response.created")[0]["response"]["id"]
         types = [e["type"] for e in rt.events]
-        assert types.index("response.created") < types.index("conversation.item.added") < types.index(
-            "response.output_item.added") < types.index("response.content_part.added") < types.index("response.output_audio.delta")
+        order = ("response.created", "conversation.item.added", "response.output_item.added",
+                 "response.content_part.added", "response.output_audio.delta")
+        assert [types.index(t) for t in order] == sorted(types.index(t) for t in order)
         await rt.send({"type": "input_audio_buffer.commit"})
         await rt.send({"type": "response.create", "response": {}})
         await rt.send({"type": "response.cancel"})
@@ -484,7 +496,8 @@ async def test_zz_draining_cell_gets_no_new_session(stack):
                                                metadata=(("authorization", f"Bearer {stack.admin_token}"),))
     await asyncio.sleep(1.0)  # the next capacity poll sees `draining`
     status, body, _ = http_get(stack.gateway.http_url + "/health")
-    assert status == 503 and json.loads(body)["status"] == "draining" and json.loads(body)["cell_detail"][0]["draining"] is True
+    health = json.loads(body)
+    assert status == 503 and health["status"] == "draining" and health["cell_detail"][0]["draining"] is True
     assert http_get(stack.gateway.http_url + "/health/live")[0] == 200  # alive, only not ready
     rt = await RT.connect(stack.gateway.ws_url)
     ev = await rt.open()

@@ -107,13 +107,15 @@ def test_ga_session_update_sets_pcm16_voice_and_persona():
         DEFAULT,
         100,
     )
-    assert (s.input_format, s.voice, s.instructions, s.input_format_explicit) == ("pcm16", "NATF2.pt", "You are a pirate.", True)
+    assert (s.input_format, s.voice, s.instructions, s.input_format_explicit) == (
+        "pcm16", "NATF2.pt", "You are a pirate.", True)
 
 
 def test_beta_session_update_sets_f32_and_extra_body():
     s = parse_session_update(
         {"input_audio_format": "pcm_f32le", "output_audio_format": "pcm16", "voice": "NATM1.pt", "turn_detection": None,
-         "modalities": ["audio", "text"], "extra_body": {"auto_response": True, "legacy_event_names": True, "seed": 7, "greedy": True}},
+         "modalities": ["audio", "text"],
+         "extra_body": {"auto_response": True, "legacy_event_names": True, "seed": 7, "greedy": True}},
         DEFAULT,
         100,
     )
@@ -201,14 +203,16 @@ def test_capabilities_follow_configured_capacity():
     c = capabilities({"total_slots": 4, "max_cell_slots": 2}, output_delay_frames=2)
     assert c["supports_multi_session_same_replica"] and c["max_sessions"] == 4 and c["output_delay_frames"] == 2
     assert c["implementation_level"] == "model_native_duplex" and c["chunk_period_ms"] == 80
-    assert c["supports_barge_in"] is False and c["supports_session_resume"] is False and c["input_modes"] == ["append_audio_chunk"]
+    assert c["supports_barge_in"] is False and c["supports_session_resume"] is False
+    assert c["input_modes"] == ["append_audio_chunk"]
 
 
 # ---- config ------------------------------------------------------------------
 
 def test_cells_parse_and_refuse_malformed():
     cells = parse_cells("a:1,b:2,c:3; 10.0.0.1:50051,10.0.0.1:50052,10.0.0.1:50053")
-    assert cells == (CellAddress("a:1", "b:2", "c:3"), CellAddress("10.0.0.1:50051", "10.0.0.1:50052", "10.0.0.1:50053"))
+    assert cells == (CellAddress("a:1", "b:2", "c:3"),
+                     CellAddress("10.0.0.1:50051", "10.0.0.1:50052", "10.0.0.1:50053"))
     for bad in ["a:1,b:2", "a:1,b:2,c", "a:1,b:2,c:99999"]:
         with pytest.raises(ValueError):
             parse_cells(bad)

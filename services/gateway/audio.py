@@ -48,12 +48,14 @@ def b64encode(data: bytes) -> str:
 def pcm_bytes_to_f32(data: bytes, fmt: str, max_samples: int) -> np.ndarray:
     """Little-endian PCM bytes -> float32 samples, refusing anything not whole, finite and bounded."""
     if fmt not in _SAMPLE_BYTES:
-        raise AudioError("unsupported_audio_format", f"input format {fmt!r} is not one of {list(INPUT_FORMATS)}", "format")
+        raise AudioError("unsupported_audio_format", f"input format {fmt!r} is not one of {list(INPUT_FORMATS)}",
+                         "format")
     width = _SAMPLE_BYTES[fmt]
     if len(data) == 0:
         raise AudioError("bad_audio", "audio packet is empty", "audio")
     if len(data) % width:
-        raise AudioError("bad_audio", f"{len(data)} bytes is not a whole number of {fmt} samples ({width} bytes each)", "audio")
+        raise AudioError("bad_audio", f"{len(data)} bytes is not a whole number of {fmt} samples ({width} bytes each)",
+                         "audio")
     n = len(data) // width
     if n > max_samples:
         raise AudioError("bad_audio", f"audio packet has {n} samples; at most {max_samples} per packet", "audio")

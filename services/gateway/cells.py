@@ -139,7 +139,8 @@ class CellPool:
         been freed since, and the stage's own RESOURCE_EXHAUSTED is the authoritative answer.
         """
         ok = [c for c in self.cells.values() if c.serving and not c.draining]
-        return sorted(ok, key=lambda c: (c.free_slots == 0, c.live_sessions / max(1, c.total_slots), -c.free_slots, c.name))
+        return sorted(ok, key=lambda c: (c.free_slots == 0, c.live_sessions / max(1, c.total_slots), -c.free_slots,
+                                         c.name))
 
     def healthy(self) -> bool:
         """True when every stage of at least one cell is serving."""
@@ -168,7 +169,8 @@ class CellPool:
     async def _poll_cell(self, cell: Cell) -> None:
         async def one(stage: str):
             try:
-                cap = await cell.stubs[stage].GetCapacity(common_pb2.CapacityRequest(), timeout=self.config.poll_timeout_s)
+                cap = await cell.stubs[stage].GetCapacity(common_pb2.CapacityRequest(),
+                                                          timeout=self.config.poll_timeout_s)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
                 why = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else "timeout"
                 if cell.capacity[stage] is not None or cell.last_error.get(stage) != why:

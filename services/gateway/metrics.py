@@ -40,15 +40,18 @@ class GatewayMetrics:
         self.sessions_active = Gauge("gateway_sessions_active", "Sessions open now", ["protocol"], registry=r,
                                      multiprocess_mode="livesum")
         self.sessions_opened = Counter("gateway_sessions_opened_total", "Sessions admitted", ["protocol"], registry=r)
-        self.sessions_refused = Counter("gateway_sessions_refused_total", "Sessions refused at open", ["protocol", "code"], registry=r)
+        self.sessions_refused = Counter("gateway_sessions_refused_total", "Sessions refused at open",
+                                        ["protocol", "code"], registry=r)
         self.frames_in = Counter("gateway_frames_in_total", "Input frames handed to an encoder", registry=r)
         self.frames_out = Counter("gateway_frames_out_total", "Output frames sent to clients", registry=r)
         self.frame_latency = Histogram(
-            "gateway_frame_latency_seconds", "Input frame to encoder -> its output PCM at the gateway", buckets=LATENCY_BUCKETS, registry=r
-        )
+            "gateway_frame_latency_seconds", "Input frame to encoder -> its output PCM at the gateway",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.errors = Counter("gateway_errors_total", "Errors reported to clients", ["type", "code"], registry=r)
-        self.cleanup_unconfirmed = Counter("gateway_cleanup_unconfirmed_total", "Sessions whose stream ends were not acknowledged in time", registry=r)
-        self.slow_client_cutoffs = Counter("gateway_slow_client_cutoffs_total", "Clients cut off for not reading", registry=r)
+        self.cleanup_unconfirmed = Counter("gateway_cleanup_unconfirmed_total",
+                                           "Sessions whose stream ends were not acknowledged in time", registry=r)
+        self.slow_client_cutoffs = Counter("gateway_slow_client_cutoffs_total", "Clients cut off for not reading",
+                                           registry=r)
         recent = "livemostrecent"
         self.cell_free = Gauge("gateway_cell_free_slots", "Free session slots per cell (last poll)", ["cell"],
                                registry=r, multiprocess_mode=recent)

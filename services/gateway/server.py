@@ -63,7 +63,8 @@ _CONTENT_TYPES = {
 def _response(status: int, body: bytes, content_type: str, extra: list[tuple[str, str]] = ()) -> Response:
     import http
 
-    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))), ("Cache-Control", "no-store"), *extra])
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
+                       ("Cache-Control", "no-store"), *extra])
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 
 
@@ -124,18 +125,21 @@ class Gateway:
         path = url.path
         if path in WS_PATHS:
             if request.headers.get("Upgrade", "").lower() != "websocket":
-                return _response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8", [("Upgrade", "websocket")])
+                return _response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8",
+                                 [("Upgrade", "websocket")])
             if self.server is not None and len(self.server.connections) >= self.config.max_connections:
                 self.metrics.errors.labels("server_error", "server_busy").inc()
-                return _json(503, {"error": {"type": "server_error", "code": "server_busy",
-                                             "message": f"this gateway holds {self.config.max_connections} connections; retry shortly"}})
+                busy = f"this gateway holds {self.config.max_connections} connections; retry shortly"
+                return _json(503, {"error": {"type": "server_error", "code": "server_busy", "message": busy}})
             if not self._authorized(request):
-                return self._unauthorized("missing or wrong API key (a bearer header or the openai-insecure-api-key. subprotocol)")
+                return self._unauthorized(
+                    "missing or wrong API key (a bearer header or the openai-insecure-api-key. subprotocol)")
             query = dict(parse_qsl(url.query))
             self._bound_send_buffer(conn)
             duplex = query.get("duplex", "1").lower()
             if path == "/v1/realtime" and duplex not in TRUE:
-                why = "this server only speaks the duplex wire (duplex=1)" if duplex in FALSE else f"duplex={duplex!r} is not 1|true|on"
+                why = ("this server only speaks the duplex wire (duplex=1)" if duplex in FALSE
+                       else f"duplex={duplex!r} is not 1|true|on")
                 return _json(400, {"error": {"type": "invalid_request_error", "code": "bad_request", "message": why}})
             if path == "/api/chat":  # refused here with an HTTP status, or opened and handed to the session
                 refusal = await admit_at_upgrade(self, conn, query)
@@ -147,7 +151,8 @@ class Gateway:
             return self._client_secret(request)
         if path == "/health":
             state = self.pool.admission_state()
-            body = {"status": {"ready": "ok", "draining": "draining", "down": "unavailable"}[state], **self.pool.capacity_summary(),
+            body = {"status": {"ready": "ok", "draining": "draining", "down": "unavailable"}[state],
+                    **self.pool.capacity_summary(),
                     "cell_detail": [c.describe() for c in self.pool.cells.values()],
                     "worker": {"index": self.worker, "pid": os.getpid(), "workers": self.config.workers}}
             return _json(200 if state == "ready" else 503, body)
@@ -176,7 +181,8 @@ class Gateway:
         """Mint a short-lived client secret for a browser. Only the API key itself mints one (a client
         secret cannot extend itself); with no key configured the secret is accepted but not needed."""
         if request.method != "POST":
-            return _response(405, b"POST with the API key as bearer token\n", "text/plain; charset=utf-8", [("Allow", "POST")])
+            return _response(405, b"POST with the API key as bearer token\n", "text/plain; charset=utf-8",
+                             [("Allow", "POST")])
         key = self.config.api_key or ""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if key and not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
@@ -196,7 +202,8 @@ class Gateway:
             found = False
         if not found:
             return _response(404, b"not found\n", "text/plain; charset=utf-8")
-        ctype = _CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        ctype = (_CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0]
+                 or "application/octet-stream")
         return _response(200, target.read_bytes(), ctype)
 
     # ---- WebSocket ---------------------------------------------------------
