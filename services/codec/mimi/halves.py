@@ -11,7 +11,7 @@ class Prunable:
     """Mixin for an nn.Module whose submodules may be dropped: reading a dropped one raises
     DroppedHalfError with the reason, not an AttributeError (nor a call on None)."""
 
-    def _drop(self, name: str, why: str) -> None:
+    def drop_part(self, name: str, why: str) -> None:
         delattr(self, name)  # nn.Module.__delattr__: out of _modules; its tensors are freed with it
         self.__dict__.setdefault("_dropped_parts", {})[name] = why
 

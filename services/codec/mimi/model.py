@@ -139,11 +139,11 @@ class MimiModel(Prunable, nn.Module):
         before = _tensor_bytes(self)
         why = f"Mimi's {other} half was dropped by keep_only({half!r})"
         for name in HALVES[other]:
-            self._drop(name, why)
+            self.drop_part(name, why)
         used = {"rvq_first": self.cfg.n_q_semantic, "rvq_rest": self.cfg.num_codebooks - self.cfg.n_q_semantic}
         for rvq_name, n in used.items():
             rvq = getattr(self.quantizer, rvq_name)
-            rvq._drop("output_proj" if half == "encode" else "input_proj", why)
+            rvq.drop_part("output_proj" if half == "encode" else "input_proj", why)
             del rvq.vq.layers[n:]  # codebooks neither half reads with num_codebooks fixed
         self.kept = half
         after = _tensor_bytes(self)
