@@ -4,7 +4,7 @@
     python -m bench.frontdoor --smoke            # tiny checkpoint on the CPU, 3 sessions, a few seconds
 
 What runs, each a real process:
-1. the cell: encoder, talker, decoder with the GPU deployment's flags (bench/pipeline.py
+1. the cell: encoder, talker, decoder with the GPU deployment's flags (bench/cell.py
    `service_args`: fp8 KV and weights, CUDA graphs, compiled kernels, the voice preloaded), under a
    private CUDA MPS daemon with --mps; slots = the largest N;
 2. the gateway (`python -m services.gateway`, as tools/run_stack starts it) with --gateway-workers
@@ -42,13 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.pipeline import (
+from bench.cell import (
     BenchConfig, Mps, build_checkpoint, gpu_state, local_only_network, scrape, start_services, stop_services,
     wait_all_free,
 )
-from bench.pipeline import parse_args as pipeline_parse_args
-from bench.pipeline_report import stage_block, talker_block
-from bench.pipeline_stats import counter_by_label, ms_summary
+from bench.cell import parse_args as cell_parse_args
+from bench.cell_report import stage_block, talker_block
+from bench.cell_stats import counter_by_label, ms_summary
 from tools.load_driver.input_audio import input_signal
 from tools.load_driver.session import RealtimeSession, realtime_url, session_update
 from tools.procs import REPO_ROOT, ServiceStartError, die_with_parent, free_port
@@ -61,7 +61,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 @dataclass
 class FrontdoorConfig(BenchConfig):
-    """bench/pipeline.py's options for the cell, plus the front door's."""
+    """bench/cell.py's options for the cell, plus the front door's."""
 
     sessions: str = "96,128,160,168"
     duration_s: float = 60.0
@@ -83,7 +83,7 @@ SMOKE = dict(preset="tiny", device="cpu", sessions="3", duration_s=4.0, mps=Fals
 
 
 def parse_args(argv: list[str] | None) -> FrontdoorConfig:
-    cfg = pipeline_parse_args(argv, FrontdoorConfig, SMOKE, "python -m bench.frontdoor", __doc__)
+    cfg = cell_parse_args(argv, FrontdoorConfig, SMOKE, "python -m bench.frontdoor", __doc__)
     if cfg.driver_procs < 1:
         raise SystemExit("--driver-procs must be >= 1")
     return cfg
@@ -203,8 +203,8 @@ def probe_report(cycles: list[dict]) -> dict:
 async def wait_sessions_live(gateway: GatewayProcess, n: int, timeout_s: float) -> None:
     """Until the gateway holds n live sessions (each one's prompt prefilled): the probes' opens then
     meet a loaded cell, not the queue of the steady sessions' prefills."""
-    from bench.pipeline import LOCAL_HTTP
-    from bench.pipeline_stats import parse_metrics
+    from bench.cell import LOCAL_HTTP
+    from bench.cell_stats import parse_metrics
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -5,7 +5,7 @@
 The talker as served at the headline (fp8 weights and KV, CUDA-graphed step and prefill chunk,
 torch.compile'd elementwise kernels, every slot at full context): all slots but one go live and
 step; between steps, the last slot's session is opened again and again (begin, then its prompt in
-one piece), as a probe session does in bench.pipeline. Reported per piece: the host time of each
+one piece), as a probe session does in bench.cell. Reported per piece: the host time of each
 part (begin; voice KV copy, prompt chunk, go-live inside the chunk launch) and the GPU wait after
 it; and, for the last piece, the CUDA runtime calls the host made, from torch.profiler (a call that
 blocks, e.g. cudaStreamSynchronize or cudaMalloc, shows as a long one) and the lines of ours that

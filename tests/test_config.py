@@ -232,8 +232,8 @@ def test_load_driver_loads_from_its_environment_and_flags():
         driver_args([], {"LOAD_DRIVER_PROCS": "many"})
 
 
-def test_run_stack_and_the_pipeline_benchmark_load_from_their_environment_and_flags(monkeypatch):
-    from bench.pipeline import parse_args as bench_args
+def test_run_stack_and_the_cell_benchmark_load_from_their_environment_and_flags(monkeypatch):
+    from bench.cell import parse_args as bench_args
     from tools.run_stack import ENV_PREFIX, StackOptions
 
     env = {"RUN_STACK_SESSIONS": "4", "RUN_STACK_CHECKPOINT": ""}

@@ -1,6 +1,6 @@
-"""One load-generator process of bench/pipeline.py: a share of the sessions, driven like the gateway.
+"""One load-generator process of bench/cell.py: a share of the sessions, driven like the gateway.
 
-    python -m bench.pipeline_load        (started by bench/pipeline.py; talks JSON lines)
+    python -m bench.cell_load        (started by bench/cell.py; talks JSON lines)
 
 Each session is the gateway's own `Relay` (services/gateway/relay.py): an Encode, a Talk
 (voice + persona + sampling) and a Decode stream on one cell, with the gateway's pumps moving
@@ -33,7 +33,7 @@ probes take turns at "wait for a free slot, open" so that two never claim the sa
 parent puts every probe slot in one load process for this).
 
 Pacing: session frame i is due at T + offset + i * period (an absolute schedule; `offsets_s`, one
-per stream id, place the sessions in the period: bench/pipeline.py --send-phases). A send that is more than
+per stream id, place the sessions in the period: bench/cell.py --send-phases). A send that is more than
 RESYNC_S late re-anchors that session's schedule at now instead of bursting to catch up; every
 frame's lateness is recorded, so an overloaded client shows up in the report.
 """
@@ -59,7 +59,7 @@ from services.gateway.cells import Cell
 from services.gateway.config import CellAddress
 from services.gateway.relay import OpenParams, OutputFrame, Relay, RelayError
 
-log = logging.getLogger("bench.pipeline_load")
+log = logging.getLogger("bench.cell_load")
 
 RESYNC_S = 0.02  # same rule as tools/load_driver: later than this re-anchors, no catch-up burst
 INPUT_FRAMES = 25  # distinct synthetic frames, cycled (2 s of "speech")

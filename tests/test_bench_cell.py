@@ -1,4 +1,4 @@
-"""bench/pipeline.py: its numbers on hand-made data, and the whole script on the CPU (--smoke).
+"""bench/cell.py: its numbers on hand-made data, and the whole script on the CPU (--smoke).
 
 The smoke run is the real thing at toy size: three service processes on the tiny checkpoint,
 a load process driving two gateway Relays over real gRPC sockets, Prometheus scraped over HTTP.
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from bench.pipeline import deal_sessions, send_offsets
-from bench.pipeline import main as pipeline_main
-from bench.pipeline_load import probe_frames
-from bench.pipeline_report import (talker_block, gpu_memory_lines, late_tick_line, probe_summary, slow_intervals,
+from bench.cell import deal_sessions, send_offsets
+from bench.cell import main as cell_main
+from bench.cell_load import probe_frames
+from bench.cell_report import (talker_block, gpu_memory_lines, late_tick_line, probe_summary, slow_intervals,
                                    stage_timeline, summarize_run)
-from bench.pipeline_stats import (
+from bench.cell_stats import (
     SessionRecord,
     backlog_series,
     backlog_trend,
@@ -327,20 +327,20 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
 ])
 def test_bad_options_are_refused_before_anything_starts(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
-        pipeline_main([*argv, "--out", str(tmp_path)])
-    assert not (tmp_path / "pipeline.json").exists()
+        cell_main([*argv, "--out", str(tmp_path)])
+    assert not (tmp_path / "cell.json").exists()
 
 
 # ---- the whole script on the CPU ----------------------------------------------------------------
 
 
 @pytest.mark.timeout(180)
-def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
-    proc = subprocess.run([sys.executable, "-m", "bench.pipeline", "--smoke", "--out", str(tmp_path)], cwd=REPO_ROOT,
+def test_smoke_run_measures_the_real_cell(tmp_path, tiny_checkpoint):
+    proc = subprocess.run([sys.executable, "-m", "bench.cell", "--smoke", "--out", str(tmp_path)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=170)
     # 0 = passed, 3 = measured but not passing (a loaded CPU may be late); anything else is a crash.
     assert proc.returncode in (0, 3), proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = (tmp_path / "pipeline.json").read_text()
+    text = (tmp_path / "cell.json").read_text()
     assert str(tmp_path) not in text  # no machine paths in a result that may be committed
     result = json.loads(text)
     assert result["mps"]["enabled"] is False
@@ -410,14 +410,14 @@ def test_smoke_run_measures_the_real_pipeline(tmp_path, tiny_checkpoint):
     assert result["largest_passing_sessions"] == (2 if run["pass"] else None)
     assert proc.returncode == (0 if run["pass"] else 3)
 
-    assert (tmp_path / "pipeline.png").stat().st_size > 10_000
+    assert (tmp_path / "cell.png").stat().st_size > 10_000
     assert "largest passing N" in proc.stdout
     for stage in ("encoder", "talker", "decoder"):
-        assert (tmp_path / f"pipeline-{stage}.log").exists()
+        assert (tmp_path / f"cell-{stage}.log").exists()
 
 
 def test_per_codec_flags_go_to_that_codec_only_and_last(tmp_path):
-    from bench.pipeline import parse_args, service_args
+    from bench.cell import parse_args, service_args
 
     cfg = parse_args(["--smoke", "--codec-args", "--batch-wait-ms 9", "--encoder-args", "--gil-switch-ms 0.5",
                       "--decoder-args", "--batch-wait-ms 3"])
@@ -431,7 +431,7 @@ def test_the_benchmarks_run_the_gpu_overlays_profile(tmp_path):
     """One GPU serving profile: the benchmarks' stage command lines on CUDA come from the gpu overlay's
     ENCODER_* / TALKER_* / DECODER_* settings (slots and device are set per run), so the two cannot
     drift apart; a changed overlay changes the benchmark."""
-    from bench.pipeline import GPU_PROFILE, gpu_profile_args, parse_args, service_args
+    from bench.cell import GPU_PROFILE, gpu_profile_args, parse_args, service_args
 
     cfg = parse_args(["--device", "cuda", "--preset", "full"])
     args = service_args(cfg, tmp_path, 8)

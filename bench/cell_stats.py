@@ -1,7 +1,7 @@
-"""Pure numbers for bench/pipeline.py: Prometheus snapshots, bucket quantiles, per-frame stats.
+"""Pure numbers for bench/cell.py: Prometheus snapshots, bucket quantiles, per-frame stats.
 
 Nothing here does I/O, so every rule the benchmark's verdict rests on is unit-tested on
-hand-made data (tests/test_bench_pipeline.py).
+hand-made data (tests/test_bench_cell.py).
 
     snap = parse_metrics(text)                                  # one /metrics scrape
     h = histogram_delta(before, after, "duplex_talker_tick_seconds")
@@ -158,7 +158,7 @@ class SessionRecord:
 
 def backlog_series(records: list[SessionRecord], grid: np.ndarray) -> np.ndarray:
     """Mean over sessions of frames in flight at each time of `grid`: input frames sent that owe an
-    output (seq >= the model's delay) minus outputs received. Flat when the pipeline keeps up."""
+    output (seq >= the model's delay) minus outputs received. Flat when the cell keeps up."""
     if not records:
         return np.zeros_like(grid)
     total = np.zeros(len(grid))
@@ -171,7 +171,7 @@ def backlog_series(records: list[SessionRecord], grid: np.ndarray) -> np.ndarray
 
 def backlog_trend(grid: np.ndarray, backlog: np.ndarray, *, skip_s: float, max_growth_frames: float) -> dict:
     """Least-squares slope of the mean backlog after the first `skip_s` (start-up), and whether it
-    grows: growth over the observed span above `max_growth_frames` means the pipeline falls behind."""
+    grows: growth over the observed span above `max_growth_frames` means the cell falls behind."""
     keep = grid >= skip_s
     x, y = grid[keep], backlog[keep]
     if x.size < 2:

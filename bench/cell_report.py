@@ -1,7 +1,7 @@
-"""bench/pipeline.py's report: one N's summary from the load records and metric scrapes, the
+"""bench/cell.py's report: one N's summary from the load records and metric scrapes, the
 table, and the timeline plot.
 
-Definitions (also written into pipeline.json):
+Definitions (also written into cell.json):
 - e2e latency: PCM frame i handed to the encoder stream -> the decoded PCM of the talker output
   whose input_seq is i (the output of the talker step that consumed frame i) received by the load
   process. The model's 1-frame delay shows in two ways that this number does not hide: the first
@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from bench.pipeline_stats import (
+from bench.cell_stats import (
     SessionRecord,
     backlog_series,
     backlog_trend,
@@ -84,7 +84,7 @@ DEFINITIONS = {
               "figure for it. first_audio_ms: open call -> first decoded PCM frame received, sending input on "
               "the 80 ms schedule from the moment the open returned; it includes the model's one-frame output "
               "delay (first audio needs two input frames, so it comes at least 80 ms after the first frame is "
-              "sent) plus one pass through the pipeline. first_audio_after_open_ms: the same from the open's "
+              "sent) plus one pass through the three stages. first_audio_after_open_ms: the same from the open's "
               "return. slot_wait_ms: before each open, the wait until every stage has a free slot again (a stage "
               "frees a slot just after it acknowledged the previous stream's end; opening in that gap would be "
               "refused), not part of open_ms. errors: failed or refused opens, no free slot within the cleanup "
@@ -207,7 +207,7 @@ def _probe_errors(cycles: list[dict]) -> list[dict]:
 
 
 def probe_summary(cycles: list[dict], slots: int, cycle_s: float) -> dict | None:
-    """The probe cycles of one run (pipeline_load's records); None without probe slots."""
+    """The probe cycles of one run (cell_load's records); None without probe slots."""
     if slots == 0:
         return None
     opened = [c for c in cycles if c["open_s"] is not None]
@@ -411,7 +411,7 @@ def plot(result: dict, path) -> object | None:
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no pipeline.png (pipeline.json has the same timelines)")
+        print("matplotlib is not installed: no cell.png (cell.json has the same timelines)")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -434,7 +434,7 @@ def plot(result: dict, path) -> object | None:
     ax1.set_ylim(bottom=0)
     ax2.set_ylim(bottom=0)
     ax1.set_ylabel("e2e frame latency (ms)")
-    ax1.set_title(f"PersonaPlex pipeline, {result['mode']}: encoder + talker + decoder"
+    ax1.set_title(f"PersonaPlex cell, {result['mode']}: encoder + talker + decoder"
                   + (" under MPS" if result["mps"]["enabled"] else ""))
     ax1.legend(fontsize=8, ncol=2)
     ax1.grid(alpha=0.3)

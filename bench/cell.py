@@ -1,8 +1,8 @@
-"""The co-located pipeline on one GPU: encoder, talker and decoder processes under CUDA MPS, N live sessions.
+"""The cell on one GPU: encoder, talker and decoder processes under CUDA MPS, N live sessions.
 
-    python -m bench.pipeline --mps --sessions 160 --duration-s 120 [--fallback-sessions 128] [--out DIR]
+    python -m bench.cell --mps --sessions 160 --duration-s 120 [--fallback-sessions 128] [--out DIR]
         [--probe-sessions K] [--probe-cycle-s 4]   # K of the N reopen over and over: first audio at load
-    python -m bench.pipeline --smoke [--out DIR]       # tiny checkpoint on the CPU, 2 sessions (1 a probe), 4 s
+    python -m bench.cell --smoke [--out DIR]       # tiny checkpoint on the CPU, 2 sessions (1 a probe), 4 s
 
 Phases (each timed and printed):
 1. checkpoint: `--checkpoint DIR`, or build one (`--preset full` on the GPU: tools.make_checkpoint
@@ -14,7 +14,7 @@ Phases (each timed and printed):
    does not fit), the next smaller N of --sessions/--fallback-sessions is tried. Each stage's GPU
    memory (its CUDA memory gauges; none on the CPU) is read once they serve.
 4. for each N of --sessions, a fresh set of sessions: --client-procs load processes
-   (bench/pipeline_load.py) open N-K steady sessions (gateway Relay: voice + persona +
+   (bench/cell_load.py) open N-K steady sessions (gateway Relay: voice + persona +
    sampling), all admitted before one shared start, then one 1920-sample frame per session every
    80 ms on an absolute schedule for --duration-s, then a graceful close. From the same start, K =
    --probe-sessions probe slots measure time to first audio at full load: each opens a session,
@@ -22,11 +22,11 @@ Phases (each timed and printed):
    N sessions are always live and every probe open meets a loaded system (the burst's open
    latency is that of N simultaneous arrivals, not of one caller arriving at a busy system).
    Every probe slot runs in one load process (the one the steady round-robin left lightest), so
-   its probes can take turns claiming a free slot (bench/pipeline_load.py says why that matters:
+   its probes can take turns claiming a free slot (bench/cell_load.py says why that matters:
    a stage frees a slot a moment after it acknowledged the stream's end). Each service's /metrics
    is scraped about once a second.
-5. report (bench/pipeline_report.py): table, pipeline.json (rewritten after every phase, so a
-   run cut short still leaves what it measured) and pipeline.png under --out.
+5. report (bench/cell_report.py): table, cell.json (rewritten after every phase, so a
+   run cut short still leaves what it measured) and cell.png under --out.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from bench.pipeline_report import gpu_memory_lines, plot, print_table, summarize_run
-from bench.pipeline_stats import bucket_quantile, gpu_memory, histogram_delta, parse_metrics
+from bench.cell_report import gpu_memory_lines, plot, print_table, summarize_run
+from bench.cell_stats import bucket_quantile, gpu_memory, histogram_delta, parse_metrics
 from duplex.v1 import common_pb2, decoder_pb2_grpc, encoder_pb2_grpc, talker_pb2_grpc
 from services.common.config import load_config
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, health_status
@@ -146,10 +146,10 @@ ENV_PREFIX = "BENCH_"
 SMOKE = dict(preset="tiny", device="cpu", sessions="2", duration_s=4.0, client_procs=1, mps=False, window_s=2.0,
              probe_sessions=1, probe_cycle_s=1.5,  # short cycles: the 4 s run reopens the probe
              ready_timeout_s=120.0, open_timeout_s=60.0, progress_every_s=1.0,
-             out=os.path.join(tempfile.gettempdir(), "pipeline-smoke"))  # never over the GPU results
+             out=os.path.join(tempfile.gettempdir(), "cell-smoke"))  # never over the GPU results
 
 
-def parse_args(argv: list[str] | None, cls=None, smoke: dict | None = None, prog: str = "python -m bench.pipeline",
+def parse_args(argv: list[str] | None, cls=None, smoke: dict | None = None, prog: str = "python -m bench.cell",
                doc: str | None = None) -> BenchConfig:
     """A flag and a BENCH_<FIELD> variable for every field of `cls` (BenchConfig or a subclass; the loader of
     services/common/config.py); --smoke starts from `smoke`, and explicit flags and variables still win."""
@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None, cls=None, smoke: dict | None = None, prog
 
 
 def public_config(cfg: BenchConfig) -> dict:
-    """The config for pipeline.json, without this machine's paths (results may be committed)."""
+    """The config for cell.json, without this machine's paths (results may be committed)."""
     d = asdict(cfg)
     for k in ("checkpoint", "out", "work_dir"):
         if d[k] and os.path.isabs(d[k]):
@@ -375,7 +375,7 @@ def stop_services(procs: dict[str, ServiceProcess]) -> None:
 
 def save_service_logs(procs: dict[str, ServiceProcess], out: Path) -> None:
     for s, p in procs.items():
-        (out / f"pipeline-{s}.log").write_text(p.stderr_tail(200_000))
+        (out / f"cell-{s}.log").write_text(p.stderr_tail(200_000))
 
 
 # ---- phase 4: one N -----------------------------------------------------------------------------
@@ -427,7 +427,7 @@ class LoadProcessError(RuntimeError):
 
 
 class LoadProcess:
-    """One bench/pipeline_load.py process: JSON lines in and out, its stderr kept in a file."""
+    """One bench/cell_load.py process: JSON lines in and out, its stderr kept in a file."""
 
     def __init__(self, index: int, proc: asyncio.subprocess.Process, stderr_path: Path):
         self.index = index
@@ -442,7 +442,7 @@ class LoadProcess:
         stderr_path = work / f"load-{index}.stderr"
         with open(stderr_path, "w") as err:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bench.pipeline_load", cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE,
+                sys.executable, "-m", "bench.cell_load", cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=err, preexec_fn=die_with_parent, limit=4 * 1024 * 1024)
         return cls(index, proc, stderr_path)
 
@@ -479,7 +479,7 @@ class LoadProcess:
 
 async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: int, work: Path) -> dict:
     """N fresh sessions through the three services (N-K steady, K probe slots); returns the run's
-    summary (pipeline_report)."""
+    summary (cell_report)."""
     await wait_all_free(procs, n, timeout_s=60)
     frames = int(round(cfg.duration_s / FRAME_PERIOD_S))
     steady = n - cfg.probe_sessions
@@ -545,7 +545,7 @@ async def run_sessions(cfg: BenchConfig, procs: dict[str, ServiceProcess], n: in
                                 probe_slots=cfg.probe_sessions, probe_cycle_s=cfg.probe_cycle_s)
     except Exception as e:
         # Keep what was measured: the raw records can be summarized again offline.
-        raw = Path(cfg.out) / f"pipeline-raw-n{n}.json"
+        raw = Path(cfg.out) / f"cell-raw-n{n}.json"
         raw.write_text(json.dumps({"results": results, "refused": refused,
                                    "snapshots": [[t, {s: None if snap is None
                                                       else [[k[0], list(k[1]), v] for k, v in snap.items()]
@@ -651,9 +651,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     own_work = not cfg.work_dir
-    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="pipeline-bench-"))
+    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="cell-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    result: dict = {"bench": "pipeline", "mode": "smoke (cpu, tiny)" if cfg.smoke else f"{cfg.preset} on {cfg.device}",
+    result: dict = {"bench": "cell", "mode": "smoke (cpu, tiny)" if cfg.smoke else f"{cfg.preset} on {cfg.device}",
                     "config": public_config(cfg), "host": {"cpu_cores": os.cpu_count(), "gpu": gpu_state()},
                     "phases_s": {}, "services": None, "mps": {"enabled": cfg.mps}, "runs": [],
                     "largest_passing_sessions": None}
@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         passing = [r["sessions"] for r in result["runs"] if r.get("pass")]
         result["largest_passing_sessions"] = max(passing) if passing else None
         result["phases_s"]["total"] = round(time.monotonic() - t_start, 1)
-        (out / "pipeline.json").write_text(json.dumps(result, indent=2))
+        (out / "cell.json").write_text(json.dumps(result, indent=2))
 
     mps = Mps() if cfg.mps else None
     procs: dict[str, ServiceProcess] = {}
@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["service_start_failures"].append({"slots": slots_total, "error": str(e)[-4000:]})
                 write()
         else:
-            log("services: no slot count started; see pipeline.json")
+            log("services: no slot count started; see cell.json")
             return 3
         result["phases_s"]["services_start"] = round(time.monotonic() - t, 1)
         info["args"] = {st: a.replace(str(checkpoint), "<checkpoint>") for st, a in info["args"].items()}
@@ -749,13 +749,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         print_table(result)
-        png = plot(result, out / "pipeline.png")
+        png = plot(result, out / "cell.png")
     except Exception as e:  # the JSON is written; a report glitch must not hide it
         log(f"report: table/plot failed: {type(e).__name__}: {e}")
         png = None
     result["png"] = png.name if png else None
     write()
-    log(f"wrote {out / 'pipeline.json'}" + (f" and {png}" if png else "") +
+    log(f"wrote {out / 'cell.json'}" + (f" and {png}" if png else "") +
         f"; phases (s): {json.dumps(result['phases_s'])}")
     # 0: some N passed; 3: measured, none passed (1 is left to crashes, 2 to bad flags).
     return 0 if result["largest_passing_sessions"] is not None else 3
