@@ -139,7 +139,7 @@ class CodecBatcher:
         A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape
         batch), so a short wait that lets streams of a different phase join saves whole steps. The wait
         counts from now, not from the oldest pending frame: that made more encoder steps beside the
-        talker's (bench/RESULTS.md, front door run 3)."""
+        talker's and late ticks (bench/RESULTS.md, front door)."""
         await self._wait_until(loop, loop.time() + self.batch_wait_s,
                                lambda: len(self._pending) >= len(self.runtime.streams))
 
