@@ -337,9 +337,9 @@ class Relay:
             "decoder": decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
         }
         # The talker first, the codecs once it accepts: the talker's slot refusal alone decides
-        # admission. Opening all three at once let concurrent opens (two gateway workers) get each
-        # stage's last slots in a different order, and a caller refused anywhere is refused whole:
-        # a 4-slot cell admitted 1-4 of 12 racing callers.
+        # admission. Opened all at once, concurrent opens (two gateway workers) could get each
+        # stage's last slots in a different order, and as a caller refused anywhere is refused
+        # whole, a full cell would admit fewer callers than it has slots.
         deadline = time.monotonic() + open_timeout_s
         p._send("talker", request=opens["talker"])
         await asyncio.wait([p._opened["talker"]], timeout=open_timeout_s)
