@@ -98,6 +98,9 @@ class BenchConfig:
     # outputs are in: --decoder-args "--batch-wait-ms 3"
     encoder_args: str = ""
     decoder_args: str = ""
+    # Extra environment of a stage process, e.g. an A/B of the overlay's MPS priority:
+    # --stage-env "encoder:CUDA_MPS_CLIENT_PRIORITY=0 decoder:CUDA_MPS_CLIENT_PRIORITY=0"
+    stage_env: str = ""
     window_s: float = 10.0  # output-rate windows
     backlog_growth_frames: float = 2.0  # backlog growth over a run above this = falling behind
     ready_timeout_s: float = 240.0
@@ -294,7 +297,10 @@ def gpu_state() -> dict | None:
 # The GPU serving profile has one definition, the gpu overlay's config (ENCODER_*, TALKER_*, DECODER_*
 # literals); the benchmarks run the stages with exactly those settings. The benchmark sets these itself.
 GPU_PROFILE = REPO_ROOT / "k8s" / "overlays" / "gpu" / "kustomization.yaml"
+GPU_CELL_PATCH = GPU_PROFILE.parent / "cell-gpu.yaml"
 SET_PER_RUN = {"SLOTS", "DEVICE"}
+# The MPS client settings a container sets for itself (the daemon's directories are the benchmark's own).
+MPS_OWN = {"CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"}
 
 
 def gpu_profile_args(path: Path = GPU_PROFILE) -> dict[str, list[str]]:
@@ -311,6 +317,33 @@ def gpu_profile_args(path: Path = GPU_PROFILE) -> dict[str, list[str]]:
                 args[stage.lower()] += ["--" + field.lower().replace("_", "-"),
                                         {"1": "true", "0": "false"}.get(value, value)]
     return args
+
+
+def gpu_profile_env(path: Path = GPU_CELL_PATCH) -> dict[str, dict[str, str]]:
+    """Each stage container's MPS client settings in the GPU overlay (CUDA_MPS_*, e.g. its memory
+    limit and scheduling priority), so a benchmark's stages are MPS clients as the deployed ones are."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    env: dict[str, dict[str, str]] = {s: {} for s in STAGES}
+    for c in doc["spec"]["template"]["spec"]["containers"]:
+        for e in c.get("env", []):
+            if c["name"] in env and e["name"].startswith("CUDA_MPS_") and e["name"] not in MPS_OWN:
+                env[c["name"]][e["name"]] = str(e["value"])
+    return env
+
+
+def service_env(cfg: BenchConfig) -> dict[str, dict[str, str]]:
+    """Each stage's extra environment: under --mps the overlay's MPS client settings, then --stage-env
+    ("stage:NAME=VALUE ..."), which overrides."""
+    env = gpu_profile_env() if cfg.mps else {s: {} for s in STAGES}
+    for item in shlex.split(cfg.stage_env):
+        stage, _, assignment = item.partition(":")
+        name, eq, value = assignment.partition("=")
+        if stage not in env or not name or not eq:
+            raise SystemExit(f"--stage-env: {item!r} is not STAGE:NAME=VALUE with STAGE one of {', '.join(STAGES)}")
+        env[stage][name] = value
+    return env
 
 
 def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, list[str]]:
@@ -333,8 +366,9 @@ def service_args(cfg: BenchConfig, checkpoint: Path, slots: int) -> dict[str, li
 
 def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict[str, ServiceProcess], dict]:
     """All three at once (each loads its model); returns once every one answers SERVING."""
-    args = service_args(cfg, checkpoint, slots)
-    procs = {s: ServiceProcess(f"services.{s}", args[s], ready_timeout=cfg.ready_timeout_s) for s in STAGES}
+    args, env = service_args(cfg, checkpoint, slots), service_env(cfg)
+    procs = {s: ServiceProcess(f"services.{s}", args[s], env=env[s], ready_timeout=cfg.ready_timeout_s)
+             for s in STAGES}
     t0 = time.monotonic()
     ready: dict[str, float] = {}
     try:
@@ -363,7 +397,7 @@ def start_services(cfg: BenchConfig, checkpoint: Path, slots: int) -> tuple[dict
     except BaseException:
         stop_services(procs)
         raise
-    return procs, {"slots": slots, "ready_s": ready, "args": {s: " ".join(a) for s, a in args.items()}}
+    return procs, {"slots": slots, "ready_s": ready, "args": {s: " ".join(a) for s, a in args.items()}, "env": env}
 
 
 def stop_services(procs: dict[str, ServiceProcess]) -> None:

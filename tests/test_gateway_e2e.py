@@ -347,6 +347,39 @@ async def test_socket_drop_ends_the_session_in_all_three_stages(stack):
     assert metric(stack, "gateway_sessions_active") == 0
 
 
+async def test_the_relay_pairs_early_outputs_with_their_input_frames(stack):
+    """The talker sends output k at its step's end, before the client's frame k when frames come
+    slower than the clock: the relay delivers each output only once its frame was sent (from inside
+    send_frame), N outputs for N frames in order, and drops the last input's surplus output."""
+    from duplex.v1 import talker_pb2
+    from services.gateway.cells import _make_cell
+    from services.gateway.config import CellAddress
+    from services.gateway.relay import OpenParams, Relay
+
+    procs = stack.cell_procs[0]
+    cell = _make_cell(CellAddress(procs.encoder.address, procs.talker.address, procs.decoder.address))
+    delivered, sending = [], False
+    try:
+        relay = await Relay.open_on(cell, OpenParams("early-1", "", "Hi.", talker_pb2.Sampling(greedy=True, seed=3)),
+                                    open_timeout_s=120, stall_timeout_s=30, cleanup_timeout_s=20)
+        relay.on_output = lambda f: delivered.append((f.seq, f.input_seq, relay.frames_in, sending))
+        frames = tone(15).reshape(-1, FRAME)  # one per 0.25 s: output k is decoded before frame k is sent
+        for frame in frames:
+            await asyncio.sleep(0.25)
+            sending = True
+            await relay.send_frame(frame)
+            sending = False
+        await asyncio.sleep(0.5)  # the last input's step runs and its output reaches the relay
+        assert await relay.close()
+    finally:
+        await cell.close()
+    n = len(frames)
+    assert [d[1] for d in delivered] == list(range(n)) and [d[0] for d in delivered] == list(range(n))
+    assert all(input_seq < frames_in for _, input_seq, frames_in, _ in delivered), delivered
+    assert sum(in_send for *_, in_send in delivered) >= n - 2, f"outputs did not come early: {delivered}"
+    assert relay.frames_out == n
+
+
 async def test_no_serving_cell_means_503_and_a_typed_open_failure():
     dead = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))  # nothing listens there
     gw = GatewayProcess(dead, args=["--poll-interval", "0.2"])

@@ -541,12 +541,12 @@ def new_clock(eng, **kw):
     return ConversationClock(eng, SlotPool(SLOTS), **kw)
 
 
-async def live_sessions(clock, *names: str, voice=None, persona: str = "") -> list:
+async def live_sessions(clock, *names: str, voice=None, persona: str = "", early_outputs: bool = False) -> list:
     """Sessions opened on the clock and prefilled (pieces alone, in a roomy slack)."""
     from services.talker.engine import SamplingParams
 
-    sessions = [clock.open(n, clock.pool.acquire(), voice, persona, SamplingParams(greedy=True, seed=1), 1)
-                for n in names]
+    sessions = [clock.open(n, clock.pool.acquire(), voice, persona, SamplingParams(greedy=True, seed=1), 1,
+                           early_outputs) for n in names]
     await clock.prefill_in_slack(asyncio.get_running_loop().time() + 10)
     assert all(s.live for s in sessions)
     return sessions
@@ -911,5 +911,46 @@ async def test_stepping_ahead_drops_the_queued_step_of_the_last_input(tiny_check
             assert await clock.tick(loop.time() + 10) == 1
         got = [sess.outbox.get_nowait() for _ in range(3)]
         assert [o.input_seq for o in got[:2]] == [0, 1] and got[2] is END
+    finally:
+        await close_all(clock)
+
+
+async def test_early_outputs_leave_at_their_steps_end_and_the_surplus_only_if_it_ran(tiny_checkpoint):
+    """With early_outputs, output k leaves when step k ends, before input k arrives, with the tokens
+    held outputs have. The last input's step: dropped if still queued at the half-close; sent (its
+    input_seq is the input count, for the caller to drop) if it already ran."""
+    from services.talker.session import END
+
+    frames = user_frames(4, 9)
+    clock = new_clock(engine(tiny_checkpoint, "served"))
+    loop = asyncio.get_running_loop()
+    try:
+        early, late = await live_sessions(clock, "early", "late", persona="Hi.", early_outputs=True)
+        for sess in (early, late):
+            sess.outbox.get_nowait()  # Ready
+        assert await clock.tick(loop.time() + 10) == 1  # step 0 of both, before any input
+        got = {s.stream_id: [s.outbox.get_nowait()] for s in (early, late)}
+        assert early.held is None and got["early"][0].input_seq == 0
+        for i, f in enumerate(frames):
+            for sess in (early, late):
+                clock.push(sess, i, f)
+                assert sess.outbox.empty()  # output i left at step i's end
+            if i < len(frames) - 1:
+                assert await clock.tick(loop.time() + 10) == 1
+                for sess in (early, late):
+                    got[sess.stream_id].append(sess.outbox.get_nowait())
+        clock.input_done(early)  # step 4 (input 3's) still queued: dropped
+        assert early.outbox.get_nowait() is END
+        assert await clock.tick(loop.time() + 10) == 1  # late's step 4 runs, then it half-closes
+        surplus = late.outbox.get_nowait()
+        clock.input_done(late)
+        assert late.outbox.get_nowait() is END
+        assert surplus.input_seq == len(frames)
+        want = reference_outputs(tiny_checkpoint, early.slot, None, "Hi.", frames)
+        for sess in (early, late):
+            assert [o.input_seq for o in got[sess.stream_id]] == list(range(len(frames)))
+        assert [(o.text_token, o.agent_codes) for o in got["early"]] == want
+        assert [(o.text_token, o.agent_codes) for o in got["late"]] == reference_outputs(
+            tiny_checkpoint, late.slot, None, "Hi.", frames)
     finally:
         await close_all(clock)

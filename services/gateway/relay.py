@@ -15,8 +15,14 @@ Lifecycle of a session (a Relay):
 - `open_on_cells` sends the session's three opens on the cell's links; if any stage refuses, the
   stages that did open get an end and are waited for (nothing is half-opened), then the next cell is
   tried. All full -> RelayError("resource_exhausted").
+- Frames: the talker is opened with early_outputs, so a tick's outputs leave its step together and
+  the decoder steps once per tick. Output k can then be decoded before the client sent frame k
+  (the model computes it from frames up to k-1); the relay delivers it once frame k is in, so the
+  client still gets N outputs for N frames, in order. At most one output waits so: the talker
+  computes output k+1 only after frame k reached it.
 - `close()` (client close): the encoder gets an end; each stage's OK status ends the next stage's
   input, so every queued frame still comes out; all three must end OK within `cleanup_timeout_s`.
+  An output still waiting for its frame then is the last input's surplus step: dropped.
 - `abort()` (socket drop, stage failure, slow client): every stage still open gets an end now and is
   waited for (bounded); one that does not confirm in time is cancelled, logged and counted.
 - A stage's error status, a broken link, or no progress for `stall_timeout_s` while output is due
@@ -110,7 +116,8 @@ class OutputFrame:
     input_seq: int  # the input frame whose model step produced it
     pcm: np.ndarray  # 1920 float32 samples
     text: str  # text piece ('' for no text)
-    latency_s: float  # from handing the input frame to the encoder to having its output PCM
+    latency_s: float  # from handing the input frame to the encoder to delivering its output (about 0 for an
+    # output decoded before the frame came: early_outputs)
 
 
 # ---- the links --------------------------------------------------------------------------------
@@ -291,6 +298,7 @@ class Relay:
         self.latencies: list[float] = []  # per output frame, seconds (for the session's summary)
         self._sent_at: dict[int, float] = {}
         self._text: dict[int, tuple[int, str]] = {}
+        self._early: OutputFrame | None = None  # decoded before the client sent its input frame
         loop = asyncio.get_running_loop()
         self._opened = {s: loop.create_future() for s in STAGES}  # the stage's open answer, or StageEnd
         self._ended = {s: loop.create_future() for s in STAGES}  # the stage's StageEnd
@@ -333,7 +341,7 @@ class Relay:
             "encoder": encoder_pb2.EncodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
             "talker": talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(
                 stream=common_pb2.StreamOpen(stream_id=params.stream_id), voice=params.voice, persona=params.persona,
-                sampling=params.sampling, voice_audio=params.voice_audio)),
+                sampling=params.sampling, voice_audio=params.voice_audio, early_outputs=True)),
             "decoder": decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
         }
         # The talker first, the codecs once it accepts: the talker's slot refusal alone decides
@@ -376,6 +384,9 @@ class Relay:
         pcm = common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame))
         self._send("encoder", request=encoder_pb2.EncodeRequest(frame=pcm))
         self.frames_in += 1
+        if self._early is not None and self._early.input_seq < self.frames_in:
+            early, self._early = self._early, None
+            self._deliver(early, self._sent_at.get(early.input_seq, time.monotonic()))
         await self._link.links["encoder"].room()
         return seq
 
@@ -421,14 +432,25 @@ class Relay:
         if input_seq is None:
             raise RelayError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced",
                              "decoder")
-        now = self._last_output_at = time.monotonic()
-        sent = self._sent_at.get(input_seq, now)
-        for s in [s for s in self._sent_at if s <= input_seq]:
+        self._last_output_at = time.monotonic()
+        frame = OutputFrame(pcm.seq, input_seq, f32_from_frame_bytes(pcm.pcm_f32le), text, 0.0)
+        if input_seq < self.frames_in:
+            self._deliver(frame, self._sent_at.get(input_seq, self._last_output_at))
+        elif self._early is None:
+            self._early = frame  # until the client sends frame input_seq (send_frame)
+        else:
+            raise RelayError("runtime_stream_failed", f"the talker sent output {pcm.seq} for input {input_seq} while "
+                             f"output {self._early.seq} still waits for input {self._early.input_seq}", "talker")
+
+    def _deliver(self, frame: OutputFrame, sent: float) -> None:
+        now = time.monotonic()
+        for s in [s for s in self._sent_at if s <= frame.input_seq]:
             del self._sent_at[s]
+        frame.latency_s = now - sent
         self.frames_out += 1
         if len(self.latencies) < 100_000:
-            self.latencies.append(now - sent)
-        self.on_output(OutputFrame(pcm.seq, input_seq, f32_from_frame_bytes(pcm.pcm_f32le), text, now - sent))
+            self.latencies.append(frame.latency_s)
+        self.on_output(frame)
 
     def _stage_ended(self, stage: str, end: StageEnd) -> None:
         if self._ended[stage].done():

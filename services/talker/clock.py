@@ -24,7 +24,10 @@ refused (BacklogFull) on that session only.
 Step ahead (the personaplex alignment): step k reads user frame k-1 at the latest, so its entry
 is queued when frame k-1 arrives (step 0's at open, with no frame) and it runs one period before
 frame k arrives. Output k still leaves only after input k came in, so the stream pairs inputs and
-outputs as before (N in, N out); the step that took the last input is surplus and is dropped.
+outputs as before (N in, N out); the step that took the last input is surplus and is dropped. A
+session opened with early_outputs (the gateway's) gets output k at its step's end instead: a
+tick's outputs leave together, so the decoder steps once per tick, right after the talker, rather
+than once per late input through the next talker step; the caller pairs them.
 """
 
 from __future__ import annotations
@@ -99,13 +102,15 @@ class ConversationClock:
 
     # ---- sessions (called by the servicer) ----------------------------------------------------
 
-    def open(self, stream_id: str, slot: int, voice: str | None, persona: str, sampling, seed: int) -> Session:
+    def open(self, stream_id: str, slot: int, voice: str | None, persona: str, sampling, seed: int,
+             early_outputs: bool = False) -> Session:
         """Register a session on an acquired slot; its prompt runs in pieces behind the next steps.
 
         Its outbox gets Ready when the prompt sits in the slot, or the engine's typed
         error (InvalidVoice, InvalidPersona, InvalidSampling) if begin() refuses it.
         """
-        s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed)
+        s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed,
+                    early_outputs=early_outputs)
         s.prefill_started = time.perf_counter()
         if self.step_ahead:
             s.inputs.append((0, None))
@@ -298,7 +303,7 @@ class ConversationClock:
                 i = s.slot
                 output = Output(s.out_seq, seq, out.tokens[i], out.text[i], out.agent_codes[i])
                 s.out_seq += 1
-                if seq < s.received:
+                if seq < s.received or (s.early_outputs and not s.input_done):
                     s.outbox.put_nowait(output)
                 elif not s.input_done:
                     s.held = output  # until input `seq` arrives (push)

@@ -155,7 +155,7 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
         self.text_card = text_card
         self.card = card
 
-    def _parse_open(self, req) -> tuple[str, str | None, str, object, int]:
+    def _parse_open(self, req) -> tuple[str, str | None, str, object, int, bool]:
         if req is grpc.aio.EOF or req is None:
             raise InvalidArgument("the stream ended before its open message", kind="no_open")
         if req.WhichOneof("kind") != "open":
@@ -165,18 +165,18 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
         voice = parse_voice(o.voice, o.voice_audio, self.paths, self.config.max_voice_seconds)
         persona = parse_persona(o.persona, self.config.max_persona_chars)
         sampling, seed = parse_sampling(o.sampling, self.text_card, self.card)
-        return o.stream.stream_id, voice, persona, sampling, seed
+        return o.stream.stream_id, voice, persona, sampling, seed, o.early_outputs
 
     async def Talk(self, request_iterator, context):
         async with self.runtime.guard(context):
-            stream_id, voice, persona, sampling, seed = self._parse_open(await context.read())
+            stream_id, voice, persona, sampling, seed, early_outputs = self._parse_open(await context.read())
             voice = await self._record_voice(voice)
         handle = session = reader = None
         reason = "error"
         async with self.runtime.guard(context, stream_id):
             try:
                 handle = self.runtime.open_stream(stream_id)
-                session = self.clock.open(stream_id, handle.slot, voice, persona, sampling, seed)
+                session = self.clock.open(stream_id, handle.slot, voice, persona, sampling, seed, early_outputs)
                 reader = asyncio.create_task(self._read_frames(handle, session, context), name=f"talk-read-{stream_id}")
                 while True:
                     item = await session.outbox.get()

@@ -45,6 +45,7 @@ class Session:
     inputs: collections.deque = field(default_factory=collections.deque)
     received: int = 0  # input frames pushed
     held: Output | None = None  # step ahead: output k, computed before input k arrived
+    early_outputs: bool = False  # send output k at its step's end, never held (TalkOpen.early_outputs)
     job: object = None  # engine PrefillJob while prefilling
     live: bool = False  # prefill done, Ready sent: the clock steps it
     closed: bool = False  # no more engine work for it
