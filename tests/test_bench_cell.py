@@ -452,23 +452,24 @@ def test_the_benchmarks_run_the_gpu_overlays_profile(tmp_path):
 
 def test_the_benchmarks_stages_are_mps_clients_as_the_overlays_containers_are(tmp_path):
     """Under --mps each stage process gets its container's MPS client settings from the gpu overlay
-    (memory limit, scheduling priority), not the daemon's directories; --stage-env overrides one,
-    and a malformed entry stops the benchmark with a message."""
+    (e.g. the codecs' memory limit), not the daemon's directories; --stage-env adds or overrides one
+    (an A/B of an MPS setting), and a malformed entry stops the benchmark with a message."""
     from bench.cell import GPU_CELL_PATCH, gpu_profile_env, parse_args, service_env
 
     env = service_env(parse_args(["--device", "cuda", "--mps"]))
-    assert env["encoder"]["CUDA_MPS_CLIENT_PRIORITY"] == env["decoder"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
-    assert "CUDA_MPS_CLIENT_PRIORITY" not in env["talker"]
+    assert env["encoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == env["decoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env["talker"]
     assert not any("DIRECTORY" in name for stage in env.values() for name in stage)
     assert service_env(parse_args(["--device", "cuda"])) == {"encoder": {}, "talker": {}, "decoder": {}}
     ab = service_env(parse_args(["--device", "cuda", "--mps", "--stage-env",
-                                 "encoder:CUDA_MPS_CLIENT_PRIORITY=0 talker:X=a=b"]))
-    assert ab["encoder"]["CUDA_MPS_CLIENT_PRIORITY"] == "0" and ab["talker"]["X"] == "a=b"
-    assert ab["decoder"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+                                 "encoder:CUDA_MPS_CLIENT_PRIORITY=1 decoder:CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=9G "
+                                 "talker:X=a=b"]))
+    assert ab["encoder"]["CUDA_MPS_CLIENT_PRIORITY"] == "1" and ab["talker"]["X"] == "a=b"
+    assert ab["decoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=9G"
+    assert ab["encoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == env["encoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     for bad in ("gateway:X=1", "encoder:X", "encoderX=1"):
         with pytest.raises(SystemExit, match="--stage-env"):
             service_env(parse_args(["--device", "cuda", "--stage-env", bad]))
     changed = tmp_path / "cell-gpu.yaml"
-    changed.write_text(GPU_CELL_PATCH.read_text().replace('CUDA_MPS_CLIENT_PRIORITY\n              value: "1"',
-                                                          'CUDA_MPS_CLIENT_PRIORITY\n              value: "0"', 1))
-    assert gpu_profile_env(changed)["encoder"]["CUDA_MPS_CLIENT_PRIORITY"] == "0"
+    changed.write_text(GPU_CELL_PATCH.read_text().replace('value: "0=8G"', 'value: "0=6G"', 1))
+    assert gpu_profile_env(changed)["encoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6G"

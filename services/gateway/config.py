@@ -154,6 +154,8 @@ class GatewayConfig:
                                                                                 "acknowledging a close")
     stall_timeout_s: float = option(3.0, aliases=("--stall-timeout",), help="input outstanding and no output "
                                                                             "this long: the stage is stalled")
+    early_outputs: bool = option(True, help="the talker sends each output at its step's end and the relay holds it "
+                                            "for its input frame (false: the talker holds it; TalkOpen.early_outputs)")
     api_key_env: str = option(API_KEY_ENV, help="environment variable holding the bearer key (unset: no check)")
     api_key: str | None = option(None, settable=False)  # read from api_key_env: a secret stays off command lines
     client_secret_ttl_s: float = option(60.0, aliases=("--client-secret-ttl",), help="seconds a browser's client "

@@ -15,11 +15,11 @@ Lifecycle of a session (a Relay):
 - `open_on_cells` sends the session's three opens on the cell's links; if any stage refuses, the
   stages that did open get an end and are waited for (nothing is half-opened), then the next cell is
   tried. All full -> RelayError("resource_exhausted").
-- Frames: the talker is opened with early_outputs, so a tick's outputs leave its step together and
-  the decoder steps once per tick. Output k can then be decoded before the client sent frame k
-  (the model computes it from frames up to k-1); the relay delivers it once frame k is in, so the
-  client still gets N outputs for N frames, in order. At most one output waits so: the talker
-  computes output k+1 only after frame k reached it.
+- Frames: the talker is opened with early_outputs (the gateway's --early-outputs), so a tick's
+  outputs leave its step together and the decoder steps once per tick. Output k can then be decoded
+  before the client sent frame k (the model computes it from frames up to k-1); the relay delivers
+  it once frame k is in, so the client still gets N outputs for N frames, in order. At most one
+  output waits so: the talker computes output k+1 only after frame k reached it.
 - `close()` (client close): the encoder gets an end; each stage's OK status ends the next stage's
   input, so every queued frame still comes out; all three must end OK within `cleanup_timeout_s`.
   An output still waiting for its frame then is the last input's surplus step: dropped.
@@ -108,6 +108,7 @@ class OpenParams:
     persona: str
     sampling: talker_pb2.Sampling
     voice_audio: bytes = b""  # an enrolled voice's samples (services/gateway/voices.py); b"": bundled
+    early_outputs: bool = True  # the talker sends output k at its step's end; the relay pairs it (module doc)
 
 
 @dataclass
@@ -341,7 +342,8 @@ class Relay:
             "encoder": encoder_pb2.EncodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
             "talker": talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(
                 stream=common_pb2.StreamOpen(stream_id=params.stream_id), voice=params.voice, persona=params.persona,
-                sampling=params.sampling, voice_audio=params.voice_audio, early_outputs=True)),
+                sampling=params.sampling, voice_audio=params.voice_audio,
+                early_outputs=params.early_outputs)),
             "decoder": decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
         }
         # The talker first, the codecs once it accepts: the talker's slot refusal alone decides

@@ -46,7 +46,7 @@ async def open_relay(ctx, session_id: str, voice: str, persona: str, sampling: t
     event loop and travel with the open. Raises RelayError."""
     voice, voice_audio = await asyncio.to_thread(ctx.voices.for_open, voice)
     params = lambda: OpenParams(f"{session_id}.{secrets.token_hex(4)}", voice, persona,  # noqa: E731
-                                sampling, voice_audio)
+                                sampling, voice_audio, ctx.config.early_outputs)
     return await admit(ctx, params, prefer, wait=wait)
 
 
