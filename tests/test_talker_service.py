@@ -817,7 +817,11 @@ async def test_the_clock_ticks_on_the_cells_frame_grid(tiny_checkpoint):
                 clock.push(sess, i, f)
                 await asyncio.sleep(period)
             offsets = [(t - phase) % period for t in eng.steps_at]
-            assert len(offsets) >= 4 and all(o < 0.015 for o in offsets), offsets  # on the grid, a little late at most
+            # On the grid, a little late at most: the median within 15 ms (a clock off the grid by a
+            # constant cannot be within 15 ms of both phases) and none past half a period (one tick may be
+            # late on a loaded machine).
+            assert len(offsets) >= 4 and sorted(offsets)[len(offsets) // 2] < 0.015, offsets
+            assert all(o < period / 2 for o in offsets), offsets
         finally:
             await close_all(clock)
 
