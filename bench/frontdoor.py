@@ -286,6 +286,9 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
     result = json.loads(result_path.read_text())
     talker = talker_block(before["talker"], after["talker"])
     stages = {s: stage_block(before[s], after[s], s) for s in STAGES}
+    ticks = talker["tick_ms"]["count"]
+    for block in stages.values():  # how often each stage's GPU work runs beside the talker's
+        block["steps_per_tick"] = round(block["step_ms"]["count"] / ticks, 2) if ticks else None
     messages = {s: {d: round(v / elapsed, 1)
                     for d, v in counter_by_label(before[s], after[s], "duplex_stage_link_messages",
                                                  "direction", stage=s).items()}

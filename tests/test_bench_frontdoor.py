@@ -38,6 +38,7 @@ def test_smoke_run_measures_through_the_real_gateway(tmp_path):
     for stage in ("encoder", "talker", "decoder"):
         assert run["link_messages_per_s"][stage]["in"] > 0 and run["link_messages_per_s"][stage]["out"] > 0, stage
     assert {"encoder", "talker", "decoder"} <= set(run["cpu_cores"])
+    assert all(run["stages"][s]["steps_per_tick"] > 0 for s in ("encoder", "talker", "decoder")), run["stages"]
     assert sum(1 for k in run["cpu_cores"] if k.startswith("gateway-")) == 2
     assert (tmp_path / "frontdoor.png").is_file()
     assert "front door: smoke" in proc.stdout
