@@ -12,9 +12,9 @@ a step that touches the codec state.
 Before serving, `CodecService.start()` runs `CodecBatcher.warmup()`: one step with every slot
 inactive on the same worker thread, which changes no codec state (inactive slots keep their
 state bit for bit) but captures the CUDA graphs (cuda_graph; one per step bucket) and does the
-lazy CUDA set-up (cuBLAS handles, cached centroids) up front instead of in the first session's first frame;
-then, on CUDA, synchronize and empty_cache hand back the cached blocks of the capture's eager
-warm-up steps.
+lazy CUDA set-up (cuBLAS handles, cached centroids) up front instead of in the first session's
+first frame; then, on CUDA, synchronize and empty_cache hand back the cached blocks of the
+capture's eager warm-up steps.
 
 CodecStream.serve: one bidirectional stream, the same for both services:
 open -> slot (reset) -> `opened`; then per frame: seq check, payload check,
@@ -138,9 +138,8 @@ class CodecBatcher:
 
         A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape batch;
         with step_buckets, the next bucket's), so a short wait that lets streams of a different phase
-        join saves whole steps. The wait
-        counts from now, not from the oldest pending frame: that made more encoder steps beside the
-        talker's and late ticks (bench/RESULTS.md, front door)."""
+        join saves whole steps. The wait counts from now, not from the oldest pending frame: that
+        made more encoder steps beside the talker's and late ticks (bench/RESULTS.md, front door)."""
         await self._wait_until(loop, loop.time() + self.batch_wait_s,
                                lambda: len(self._pending) >= len(self.runtime.streams))
 
