@@ -114,9 +114,9 @@ class _Streamer:
     def _run(self, x: Tensor, active: Tensor) -> Tensor:
         rows, slots = self._rows(active)
         active = active.to(self.device)
-        index = None if slots is None else torch.tensor(slots, device=self.device)
+        index = None if slots is None else torch.tensor(slots)
         if not self.cuda_graph:
-            return self._step_rows(x, active, index)
+            return self._step_rows(x, active, None if index is None else index.to(self.device))
         if not self._graphs:
             self._capture(x, active)
         graph, static_index, out = self._graphs[rows]
