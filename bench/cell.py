@@ -98,8 +98,9 @@ class BenchConfig:
     # outputs are in: --decoder-args "--batch-wait-ms 3"
     encoder_args: str = ""
     decoder_args: str = ""
-    # Extra environment of a stage process, e.g. an A/B of the overlay's MPS priority:
-    # --stage-env "encoder:CUDA_MPS_CLIENT_PRIORITY=0 decoder:CUDA_MPS_CLIENT_PRIORITY=0"
+    # Extra environment of a stage process (after the overlay's MPS settings under --mps), e.g. the
+    # codecs' work at below-normal MPS priority:
+    # --stage-env "encoder:CUDA_MPS_CLIENT_PRIORITY=1 decoder:CUDA_MPS_CLIENT_PRIORITY=1"
     stage_env: str = ""
     window_s: float = 10.0  # output-rate windows
     backlog_growth_frames: float = 2.0  # backlog growth over a run above this = falling behind
