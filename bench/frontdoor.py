@@ -65,6 +65,7 @@ class FrontdoorConfig(BenchConfig):
 
     sessions: str = "96,128,160,168"
     duration_s: float = 60.0
+    repeats: int = 1  # each N this many times in a row on the same stack (fresh sessions each time)
     probe_sessions: int = 2
     gateway_workers: str = "4"  # the gateway's --workers ("" leaves the flag out: the gateway's default)
     gateway_args: str = ""  # extra gateway flags
@@ -384,6 +385,8 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {cfg.repeats}")
     deadline = time.monotonic() + cfg.time_budget_s
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     local_only_network()
@@ -432,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway = GatewayProcess(spec, port=free_port(), args=args).start(timeout=60)
         log(f"gateway: {gateway.http_url} ({' '.join(args) or 'default flags'}), pids {gateway_pids(gateway)}")
         write()
-        for n in sweep:
+        for n in [n for n in sweep for _ in range(cfg.repeats)]:
             if deadline - time.monotonic() < cfg.duration_s + 60:
                 result["runs"].append({"sessions": n, "passed": False, "failed": "skipped: time budget"})
                 write()
