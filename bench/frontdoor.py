@@ -229,18 +229,20 @@ def driver_summary(result: dict) -> dict:
             **{k: summary.get(k) for k in keys}}
 
 
-async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, work: Path) -> dict:
+async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, work: Path, label: str) -> dict:
+    """One run of n sessions; label names its files (n160, or n160-r2 for a repeat)."""
     await wait_all_free(procs, n, timeout_s=60)
     steady = n - cfg.probe_sessions
     frames = int(round(cfg.duration_s / PERIOD_S))
-    out_dir = work / f"load-n{n}"
+    out_dir = work / f"load-{label}"
+    shutil.rmtree(out_dir, ignore_errors=True)  # a reused --work-dir's earlier run: the driver never overwrites
     cmd = [sys.executable, "-m", "tools.load_driver", "--url", gateway.ws_url, "--sessions", str(steady),
            "--load-frames", str(frames), "--drain-s", str(cfg.drain_s), "--voice", cfg.voice, "--persona", cfg.persona,
            "--output-dir", str(out_dir), "--procs", str(min(cfg.driver_procs, steady)), "--no-progress", "--plot",
            *cfg.driver_args.split()]
     log(f"N={n}: {steady} steady sessions from {min(cfg.driver_procs, steady)} driver processes, "
         f"{cfg.probe_sessions} probe slot(s)")
-    err_path = work / f"driver-n{n}.log"
+    err_path = work / f"driver-{label}.log"
     with open(err_path, "w") as err:
         driver = await asyncio.create_subprocess_exec(*cmd, cwd=REPO_ROOT, stdout=err, stderr=subprocess.STDOUT,
                                                       preexec_fn=die_with_parent)
@@ -303,7 +305,7 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
               "ticks_within_80ms": ticks_pct is not None and ticks_pct >= cfg.min_ticks_pct,
               "first_audio": (probes_["first_audio_ms"] or {}).get("p99", float("inf")) <= cfg.max_first_audio_p99_ms}
     if (out_dir / "load-timeline.png").is_file():
-        shutil.copy(out_dir / "load-timeline.png", Path(cfg.out) / f"frontdoor-n{n}-timeline.png")
+        shutil.copy(out_dir / "load-timeline.png", Path(cfg.out) / f"frontdoor-{label}-timeline.png")
     return {"sessions": n, "passed": all(checks.values()), "checks": checks, "steady_sessions": steady,
             "probe_slots": cfg.probe_sessions, "gateway_workers": len([k for k in pids if k.startswith("gateway")]),
             "driver_procs": drv.get("driver_procs", min(cfg.driver_procs, steady)), "full_context": cfg.full_context,
@@ -435,16 +437,19 @@ def main(argv: list[str] | None = None) -> int:
         gateway = GatewayProcess(spec, port=free_port(), args=args).start(timeout=60)
         log(f"gateway: {gateway.http_url} ({' '.join(args) or 'default flags'}), pids {gateway_pids(gateway)}")
         write()
-        for n in [n for n in sweep for _ in range(cfg.repeats)]:
+        for n, repeat in [(n, r) for n in sweep for r in range(1, cfg.repeats + 1)]:
+            label = f"n{n}" if cfg.repeats == 1 else f"n{n}-r{repeat}"
             if deadline - time.monotonic() < cfg.duration_s + 60:
                 result["runs"].append({"sessions": n, "passed": False, "failed": "skipped: time budget"})
                 write()
                 continue
             try:
-                run = asyncio.run(run_n(cfg, procs, gateway, n, work))
+                run = asyncio.run(run_n(cfg, procs, gateway, n, work, label))
             except Exception as e:  # one N's failure is a row of the report
                 run = {"sessions": n, "passed": False, "failed": no_paths(f"{type(e).__name__}: {e}")[-3000:]}
-            log(f"N={n}: {'PASS' if run.get('passed') else 'FAIL'} {json.dumps(run.get('checks', run.get('failed')))}")
+            run["run"] = label
+            verdict = "PASS" if run.get("passed") else "FAIL"
+            log(f"{label}: {verdict} {json.dumps(run.get('checks', run.get('failed')))}")
             result["runs"].append(run)
             write()
     finally:
