@@ -444,6 +444,7 @@ def test_the_benchmarks_run_the_gpu_overlays_profile(tmp_path):
     assert [value("talker", f) for f in ("--kv-fp8", "--weights-fp8", "--cuda-graph", "--compile")] == ["true"] * 4
     assert value("encoder", "--cuda-graph") == value("decoder", "--cuda-graph") == "true"
     assert (value("encoder", "--batch-wait-ms"), value("decoder", "--batch-wait-ms")) == ("20", "2")
+    assert value("talker", "--catch-up-lag-frames") == "3"
     assert value("talker", "--slots") == "8" and value("talker", "--device") == "cuda"
     changed = tmp_path / "kustomization.yaml"
     changed.write_text(GPU_PROFILE.read_text().replace("DECODER_BATCH_WAIT_MS=2", "DECODER_BATCH_WAIT_MS=7"))
