@@ -48,7 +48,9 @@ class TalkerConfig(StageConfig):
     # between a skipped tick and a catch-up step.
     input_wait_ms: float = option(15.0, help="at a deadline, wait up to this long for frames that are due "
                                              "but not here yet (0 = tick on the deadline)")
-    # Below it a session stays that many frames late; at it the tick runs late.
+    # Below it a session stays that many frames late; at it the tick runs late. The H200 profile
+    # (k8s/overlays/gpu) sets 3: at 160 sessions a catch-up step rarely fits in the period, and with 2
+    # the forced ones made the ticks miss their target (bench/RESULTS.md, front door runs 12-17).
     catch_up_lag_frames: int = option(2, help="frames behind a session must be for a catch-up step past "
                                               "the deadline")
     max_backlog_s: float = option(2.0, help="queued input beyond this is refused with RESOURCE_EXHAUSTED")
