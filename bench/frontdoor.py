@@ -21,8 +21,8 @@ frontdoor.png under --out.
 
 A run passes when the driver's verdict is PASS (every session passed; frame latency p99 within
 --driver-args' bound, 250 ms by default), every probe cycle got audio with first audio p99 at most
---max-first-audio-p99-ms (400), and at least --min-ticks-pct (99.5) of the talker's ticks ended within
-80 ms.
+--max-first-audio-p99-ms (400), at least --min-ticks-pct (99.5) of the talker's ticks ended within
+80 ms, and the tick p99 was at most --max-tick-p99-ms (75; exact, since 75 ms is a bucket bound).
 """
 
 from __future__ import annotations
@@ -74,11 +74,13 @@ class FrontdoorConfig(BenchConfig):
     drain_s: float = 3.0  # the driver's observation window after the last frame
     min_ticks_pct: float = 99.5
     max_first_audio_p99_ms: float = 400.0
+    max_tick_p99_ms: float = 75.0
     profile_s: float = 0.0  # > 0: py-spy records each gateway process this long, mid-run (raw stacks in --out)
 
 
 SMOKE = dict(preset="tiny", device="cpu", sessions="3", duration_s=4.0, mps=False, probe_sessions=1, probe_cycle_s=1.5,
              driver_procs=2, gateway_workers="2", min_ticks_pct=0.0, max_first_audio_p99_ms=5000.0,
+             max_tick_p99_ms=1e9,
              ready_timeout_s=120.0, open_timeout_s=60.0,
              progress_every_s=1.0, drain_s=2.0, out=os.path.join(tempfile.gettempdir(), "frontdoor-smoke"))
 
@@ -303,6 +305,7 @@ async def run_n(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, wo
               "probes_got_audio": (probes_["cycles"] > 0 and probes_["with_audio"] == probes_["opened"]
                                    and not probes_["errors"]),
               "ticks_within_80ms": ticks_pct is not None and ticks_pct >= cfg.min_ticks_pct,
+              "tick_p99": (talker["tick_ms"].get("p99") or float("inf")) <= cfg.max_tick_p99_ms,
               "first_audio": (probes_["first_audio_ms"] or {}).get("p99", float("inf")) <= cfg.max_first_audio_p99_ms}
     if (out_dir / "load-timeline.png").is_file():
         shutil.copy(out_dir / "load-timeline.png", Path(cfg.out) / f"frontdoor-{label}-timeline.png")
