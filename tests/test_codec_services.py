@@ -106,23 +106,22 @@ async def served(build, cfg):
     return service
 
 
-# Every test on a codec service runs twice: full steps, and compact steps (mimi/streaming.py).
-@pytest.fixture(params=[(), (1, 2)], ids=["full-steps", "compact-steps"])
-async def encoder(tiny_checkpoint, request):
+@pytest.fixture
+async def encoder(tiny_checkpoint):
     service = await served(build_encoder,
                            EncoderConfig(checkpoint=str(tiny_checkpoint), host="127.0.0.1", port=0, metrics_port=0,
-                                         slots=4, step_buckets=request.param))
+                                         slots=4))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
     yield service, encoder_pb2_grpc.EncoderStub(channel)
     await channel.close()
     await service.stop()
 
 
-@pytest.fixture(params=[(), (1, 2)], ids=["full-steps", "compact-steps"])
-async def decoder(tiny_checkpoint, request):
+@pytest.fixture
+async def decoder(tiny_checkpoint):
     service = await served(build_decoder,
                            DecoderConfig(checkpoint=str(tiny_checkpoint), host="127.0.0.1", port=0, metrics_port=0,
-                                         slots=4, step_buckets=request.param))
+                                         slots=4))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
     yield service, decoder_pb2_grpc.DecoderStub(channel)
     await channel.close()

@@ -188,11 +188,6 @@ def test_talker_and_codecs_share_one_stage_base():
                [getattr(base, n) for n in shared - {"port", "metrics_port"}]
     assert TalkerConfig.load([*CKPT, "--tick-ms", "40"], env={"TALKER_KV_FP8": "1"}).kv_fp8 is True
     assert EncoderConfig.load(CKPT, env={"ENCODER_BATCH_WAIT_MS": "20"}).batch_wait_ms == 20.0
-    assert EncoderConfig.load(CKPT, env={}).step_buckets == ()
-    assert DecoderConfig.load([*CKPT, "--step-buckets", "96,32,64,32"], env={}).step_buckets == (32, 64, 96)
-    for bad in ("0,32", "32,x"):
-        with pytest.raises(ConfigError, match="--step-buckets: expected positive row counts"):
-            DecoderConfig.load([*CKPT, "--step-buckets", bad], env={})
     with pytest.raises(ConfigError, match="cuda_graph needs a CUDA device"):
         TalkerConfig.load([*CKPT, "--cuda-graph"], env={})
     with pytest.raises(ConfigError, match="log_level"):

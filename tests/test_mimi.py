@@ -35,16 +35,14 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 # ---- streaming equals one-shot, per slot, with resets and idle steps ----------------------------
 
-@pytest.mark.parametrize("buckets", [(), (1, 3)], ids=["full-steps", "compact-steps"])
-def test_streaming_equals_one_shot(model, buckets):
+def test_streaming_equals_one_shot(model):
     """Slot s starts a stream at step start[s] and skips the steps in idle[s]; each stream's codes and
-    audio must equal the one-shot encode/decode of that stream's own frames. With buckets (1, 3), the
-    steps with 0-3 active slots run compacted to 1 or 3 rows."""
+    audio must equal the one-shot encode/decode of that stream's own frames."""
     slots, steps = 4, 20
     start = [0, 0, 5, 11]
     idle = {0: set(), 1: {2, 3, 9}, 2: {8}, 3: {12, 13, 14}}
     g = torch.Generator().manual_seed(0)
-    enc, dec = StreamingEncoder(model, slots, buckets=buckets), StreamingDecoder(model, slots, buckets=buckets)
+    enc, dec = StreamingEncoder(model, slots), StreamingDecoder(model, slots)
     pcm_in = {s: [] for s in range(slots)}
     codes_out = {s: [] for s in range(slots)}
     codes_in = {s: [] for s in range(slots)}
@@ -72,26 +70,6 @@ def test_streaming_equals_one_shot(model, buckets):
         got = torch.cat(pcm_out[s])
         assert (got - want_pcm).abs().max() < 1e-5, s
         assert want_pcm.abs().max() > 0.05
-
-
-def test_compact_steps_leave_the_same_state_as_full_steps(tiny):
-    """A compact step (its slots' rows gathered, padded with inactive slots, scattered back) leaves
-    every slot's state as the full step does, bit for bit, and gives the active rows the same output."""
-    slots = 6
-    g = torch.Generator().manual_seed(4)
-    full = StreamingEncoder(tiny, slots), StreamingDecoder(tiny, slots)
-    compact = StreamingEncoder(tiny, slots, buckets=(2, 4, 9)), StreamingDecoder(tiny, slots, buckets=(2, 4, 9))
-    assert compact[0].buckets == [2, 4]  # a bucket of every slot or more is the full step
-    for n in [6, 1, 3, 0, 2, 5, 4, 1, 6]:
-        active = torch.zeros(slots, dtype=torch.bool)
-        active[torch.randperm(slots, generator=g)[:n]] = True
-        pcm, codes = 0.2 * torch.randn(slots, FRAME, generator=g), torch.randint(0, 2048, (slots, 8), generator=g)
-        for i, x in enumerate((pcm, codes)):
-            want, got = full[i].step(x, active), compact[i].step(x, active)
-            assert torch.equal(want[active], got[active]), (n, i)
-            assert all(torch.equal(a, b) for a, b in zip(full[i]._tensors, compact[i]._tensors, strict=True)), (n, i)
-    with pytest.raises(ValueError, match="buckets"):
-        StreamingEncoder(tiny, slots, buckets=(0, 2))
 
 
 def test_codes_vary_with_input(tiny):
@@ -308,17 +286,3 @@ def test_loads_the_embedded_tiny_checkpoint(tiny_checkpoint):
     codes = model.encode(pcm)
     assert codes.shape == (1, cfg.num_codebooks, 2)
     assert model.decode(codes).shape == (1, 1, 2 * FRAME)
-
-
-def test_the_codec_steps_benchmark_times_full_and_compact_steps(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-m", "bench.codec_steps", "--preset", "tiny", "--device", "cpu", "--slots", "4",
-                    "--active", "1,4", "--buckets", "2", "--steps", "2", "--out", str(tmp_path)], check=True,
-                   capture_output=True, timeout=120)
-    result = json.loads((tmp_path / "codec_steps.json").read_text())
-    assert [(r["stage"], r["active"]) for r in result["rows"]] == [("encoder", 1), ("encoder", 4), ("decoder", 1),
-                                                                      ("decoder", 4)]
-    assert all(r[v]["mean_ms"] > 0 for r in result["rows"] for v in ("full", "compact"))

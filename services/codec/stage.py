@@ -11,10 +11,10 @@ a step that touches the codec state.
 
 Before serving, `CodecService.start()` runs `CodecBatcher.warmup()`: one step with every slot
 inactive on the same worker thread, which changes no codec state (inactive slots keep their
-state bit for bit) but captures the CUDA graphs (cuda_graph; one per step bucket) and does the
-lazy CUDA set-up (cuBLAS handles, cached centroids) up front instead of in the first session's
-first frame; then, on CUDA, synchronize and empty_cache hand back the cached blocks of the
-capture's eager warm-up steps.
+state bit for bit) but captures the CUDA graph (cuda_graph) and does the lazy CUDA set-up
+(cuBLAS handles, cached centroids) up front instead of in the first session's first frame;
+then, on CUDA, synchronize and empty_cache hand back the cached blocks of the capture's eager
+warm-up steps.
 
 CodecStream.serve: one bidirectional stream, the same for both services:
 open -> slot (reset) -> `opened`; then per frame: seq check, payload check,
@@ -99,7 +99,7 @@ class CodecBatcher:
     async def warmup(self, device: str | torch.device = "cpu") -> float:
         """One step with every slot inactive, on the worker thread (before `start`); returns its seconds.
 
-        No slot's state changes. On CUDA it captures the step's graphs when the codec uses them, then
+        No slot's state changes. On CUDA it captures the step's graph when the codec uses one, then
         synchronizes and empties the allocator cache so that only what serving holds stays reserved."""
         dev = torch.device(device)
 
@@ -136,10 +136,10 @@ class CodecBatcher:
     async def _gather(self, loop) -> None:
         """Wait up to batch_wait_s for more frames, but not once every live stream has one pending.
 
-        A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape batch;
-        with step_buckets, the next bucket's), so a short wait that lets streams of a different phase
-        join saves whole steps. The wait counts from now, not from the oldest pending frame: that
-        made more encoder steps beside the talker's and late ticks (bench/RESULTS.md, front door)."""
+        A codec step costs about the same for 1 or all slots (it runs the whole fixed-shape batch),
+        so a short wait that lets streams of a different phase join saves whole steps. The wait
+        counts from now, not from the oldest pending frame: that made more encoder steps beside the
+        talker's and late ticks (bench/RESULTS.md, front door)."""
         await self._wait_until(loop, loop.time() + self.batch_wait_s,
                                lambda: len(self._pending) >= len(self.runtime.streams))
 
@@ -253,17 +253,6 @@ class CodecStream:
             self.runtime.close_stream(handle, reason)
 
 
-def parse_buckets(text: str) -> tuple[int, ...]:
-    """'32,64,96' -> (32, 64, 96); '' -> () (every step runs every slot)."""
-    try:
-        buckets = tuple(int(b) for b in text.split(",") if b.strip())
-    except ValueError:
-        buckets = (0,)
-    if any(b < 1 for b in buckets):
-        raise ValueError(f"expected positive row counts like '32,64,96', got {text[:60]!r}")
-    return tuple(sorted(set(buckets)))
-
-
 @dataclass(frozen=True)
 class CodecServiceConfig(StageConfig):
     """What both codec services take (each service's config.py sets its ports and prefix)."""
@@ -271,10 +260,6 @@ class CodecServiceConfig(StageConfig):
     # Never waits once every live stream has a frame pending: fewer, fuller steps for a little latency.
     batch_wait_ms: float = option(5.0, help="after the first pending frame, wait up to this long for other "
                                             "streams' frames")
-    # mimi/streaming.py, compact steps: a step's cost grows with the rows it runs.
-    step_buckets: tuple[int, ...] = option((), parse=parse_buckets,
-                                           help="row counts a step with fewer streams runs instead of every slot, "
-                                                "e.g. '32,64,96,128' ('' = every step runs every slot)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -389,12 +374,11 @@ def _cuda_memory(device: str) -> str:
 
 
 def inference_step(step: StepFn, device: str) -> StepFn:
-    """Wrap a codec's batched step for the worker thread: the input to `device` (`active` stays on the
-    host, where a compact step reads its rows without a device sync), no autograd, output back on CPU."""
+    """Wrap a codec's batched step for the worker thread: inputs to `device`, no autograd, output back on CPU."""
 
     @torch.no_grad()
     def run(x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        return step(x.to(device), active).cpu()
+        return step(x.to(device), active.to(device)).cpu()
 
     return run
 

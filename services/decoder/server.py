@@ -43,7 +43,7 @@ def build(cfg: DecoderConfig) -> CodecService:
     from services.codec.mimi import StreamingDecoder
 
     model, mimi_cfg = load_mimi(cfg, keep="decode")  # the encode half is never loaded onto the device
-    decoder = StreamingDecoder(model, cfg.slots, cuda_graph=cfg.cuda_graph, buckets=cfg.step_buckets)
+    decoder = StreamingDecoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)
     n, bins = mimi_cfg.num_codebooks, mimi_cfg.bins
     return CodecService(
         "decoder", cfg,

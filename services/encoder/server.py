@@ -43,7 +43,7 @@ def build(cfg: EncoderConfig) -> CodecService:
     from services.codec.mimi import StreamingEncoder
 
     model, mimi_cfg = load_mimi(cfg, keep="encode")  # the decode half is never loaded onto the device
-    encoder = StreamingEncoder(model, cfg.slots, cuda_graph=cfg.cuda_graph, buckets=cfg.step_buckets)
+    encoder = StreamingEncoder(model, cfg.slots, cuda_graph=cfg.cuda_graph)
     frame_size = mimi_cfg.frame_size
     return CodecService(
         "encoder", cfg,

@@ -6,23 +6,13 @@ on CUDA, `cuda_graph=True` captures it once and replays it (one launch instead o
 captured step reads the weights and codebook centroids as they were at capture, so load weights
 before the first step). A step runs every slot; `active` selects the slots whose state advances, the
 others keep their state bit for bit. So a step with every slot inactive changes no state: the codec
-services run one before serving (CodecBatcher.warmup) to capture the graphs up front.
-
-Compact steps (`buckets`): a step's cost grows with the rows it runs, and most steps have fewer
-streams with a frame than slots (the encoder's batches hold about half of them at 160 sessions). With
-buckets, a step with n active slots runs the smallest bucket B >= n: it gathers the state rows of its
-n slots (padded with B - n distinct inactive slots, which keep their state since they run inactive),
-steps B rows and scatters them back. On CUDA each bucket is its own graph, all captured at the first
-step from one memory pool (they never run at once), so the buckets add no state-sized buffers. The
-result is the same as the full step's, row for row: a row's computation never looks at another row.
+services run one before serving (CodecBatcher.warmup) to capture the graph up front.
 
 A streamer needs its half of the model: StreamingEncoder the encode half, StreamingDecoder the
 decode half (MimiModel.keep_only may have dropped the other).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,24 +26,15 @@ def _flatten(state) -> list[Tensor]:
     return [t for s in state for t in _flatten(s)]
 
 
-def _like(template, flat):
-    """`flat`'s tensors (an iterator) in the nesting of `template` (what _flatten took apart)."""
-    if isinstance(template, Tensor):
-        return next(flat)
-    return [_like(t, flat) for t in template]
-
-
 class _Streamer:
     HALF = ""  # the half of MimiModel a subclass runs
 
-    def __init__(self, model: MimiModel, slots: int, cuda_graph: bool = False, buckets: Sequence[int] = ()):
+    def __init__(self, model: MimiModel, slots: int, cuda_graph: bool = False):
         model.require(self.HALF, type(self).__name__)
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if cuda_graph and model.device.type != "cuda":
             raise ValueError(f"cuda_graph needs the model on a CUDA device, it is on {model.device}")
-        if any(not isinstance(b, int) or b < 1 for b in buckets):
-            raise ValueError(f"buckets must be positive ints, got {list(buckets)!r}")
         self.model = model
         self.cfg = model.cfg
         self.slots = slots
@@ -61,15 +42,13 @@ class _Streamer:
         self.state = self._init_state(model.device, model.dtype)
         self._tensors = _flatten(self.state)
         self.cuda_graph = cuda_graph
-        self.buckets = sorted({b for b in buckets if b < slots})  # row counts of compact steps
-        self._graphs: dict[int, tuple] = {}  # rows -> (graph, its row index, its output), rows == slots: full
+        self._graph = None
 
     def _init_state(self, device, dtype) -> list:
         raise NotImplementedError
 
-    def _compute(self, x: Tensor, active: Tensor, state: list) -> Tensor:
-        """The step itself on validated device tensors, for as many rows as x has, each row of
-        `state` advanced in place where active: a fixed kernel sequence, no host syncs."""
+    def _compute(self, x: Tensor, active: Tensor) -> Tensor:
+        """The step itself on validated device tensors: a fixed kernel sequence, no host syncs."""
         raise NotImplementedError
 
     def reset(self, slot: int) -> None:
@@ -88,64 +67,31 @@ class _Streamer:
             raise InvalidFrame(f"active must be a bool tensor of shape ({self.slots},), got {_describe(active)}")
         return active
 
-    def _rows(self, active: Tensor) -> tuple[int, list[int] | None]:
-        """The rows this step runs (slots: every slot) and, for a compact step, which slots: the
-        active ones, then inactive ones up to the bucket's size."""
-        if not self.buckets:
-            return self.slots, None
-        flags = active.tolist()  # on the host (the services pass it there): no device sync
-        on = [i for i, a in enumerate(flags) if a]
-        rows = next((b for b in self.buckets if b >= len(on)), self.slots)
-        if rows == self.slots:
-            return rows, None
-        return rows, on + [i for i, a in enumerate(flags) if not a][: rows - len(on)]
-
-    def _step_rows(self, x: Tensor, active: Tensor, index: Tensor | None) -> Tensor:
-        """One step over every slot (index None) or over the slots in `index`: their state rows
-        gathered, stepped and scattered back; the output has a row per slot either way."""
-        if index is None:
-            return self._compute(x, active, self.state)
-        rows = [t.index_select(0, index) for t in self._tensors]
-        y = self._compute(x.index_select(0, index), active.index_select(0, index), _like(self.state, iter(rows)))
-        for t, r in zip(self._tensors, rows):
-            t.index_copy_(0, index, r)
-        return y.new_zeros((self.slots, *y.shape[1:])).index_copy_(0, index, y)
-
     def _run(self, x: Tensor, active: Tensor) -> Tensor:
-        rows, slots = self._rows(active)
-        active = active.to(self.device)
-        index = None if slots is None else torch.tensor(slots)
         if not self.cuda_graph:
-            return self._step_rows(x, active, None if index is None else index.to(self.device))
-        if not self._graphs:
+            return self._compute(x, active)
+        if self._graph is None:
             self._capture(x, active)
-        graph, static_index, out = self._graphs[rows]
         self._static_in[0].copy_(x)
         self._static_in[1].copy_(active)
-        if index is not None:
-            static_index.copy_(index)
-        graph.replay()
-        return out.clone()
+        self._graph.replay()
+        return self._static_out.clone()
 
     def _capture(self, x: Tensor, active: Tensor) -> None:
-        """Every graph (the full step, then each bucket from the largest) in one memory pool."""
         self._static_in = (x.clone(), active.clone())
         saved = [t.clone() for t in self._tensors]  # warm-up steps run for real: undo them after
-        pool = torch.cuda.graph_pool_handle()
-        for rows in [self.slots] + self.buckets[::-1]:
-            index = None if rows == self.slots else torch.arange(rows, device=self.device)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # lazy initialisations (cuBLAS handles, cached centroids) happen here
-                    self._step_rows(*self._static_in, index)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._step_rows(*self._static_in, index)
-            self._graphs[rows] = (graph, index, out)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisations (cuBLAS handles, cached centroids) happen here
+                self._compute(*self._static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._static_out = self._compute(*self._static_in)
         for t, v in zip(self._tensors, saved):
             t.copy_(v)
+        self._graph = graph
 
 
 class StreamingEncoder(_Streamer):
@@ -176,12 +122,12 @@ class StreamingEncoder(_Streamer):
             slots = bad.nonzero().flatten().tolist()
             raise InvalidFrame(f"non-finite audio in slots {slots}", slots)
         x = pcm.to(device=self.device, dtype=self.model.dtype)
-        return self._run(x, active)
+        return self._run(x, active.to(self.device))
 
-    def _compute(self, x: Tensor, active: Tensor, state: list) -> Tensor:
+    def _compute(self, x: Tensor, active: Tensor) -> Tensor:
         m = self.model
-        seanet_state, transformer_state, downsample_state = state
-        latent = m.encoder(x.view(x.shape[0], 1, -1), seanet_state, active)
+        seanet_state, transformer_state, downsample_state = self.state
+        latent = m.encoder(x.view(self.slots, 1, -1), seanet_state, active)
         latent = m.encoder_transformer(latent, transformer_state, active)
         latent = m.downsample.conv(latent, downsample_state, active)
         return m.quantizer.encode(latent, self.cfg.num_codebooks)[:, :, 0]
@@ -215,13 +161,13 @@ class StreamingDecoder(_Streamer):
         if bad.any():
             slots = bad.nonzero().flatten().tolist()
             raise InvalidFrame(f"codes outside [0, {self.cfg.bins}) in slots {slots}", slots)
-        return self._run(codes.to(self.device, torch.long), active)
+        return self._run(codes.to(self.device, torch.long), active.to(self.device))
 
-    def _compute(self, codes: Tensor, active: Tensor, state: list) -> Tensor:
+    def _compute(self, codes: Tensor, active: Tensor) -> Tensor:
         m = self.model
         # Inactive rows may hold anything; give the embedding lookup a valid index there.
         codes = torch.where(active[:, None], codes, 0)
-        upsample_state, transformer_state, seanet_state = state
+        upsample_state, transformer_state, seanet_state = self.state
         latent = m.quantizer.decode(codes[:, :, None], m.dtype)
         latent = m.upsample.convtr(latent, upsample_state, active)
         latent = m.decoder_transformer(latent, transformer_state, active)
