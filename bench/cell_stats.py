@@ -32,18 +32,18 @@ def parse_metrics(text: str) -> Snapshot:
     return snap
 
 
-def counter_delta(before: Snapshot, after: Snapshot, name: str, **labels: str) -> float:
-    """Increase of a counter (summed over label sets that match `labels`) between two scrapes.
-    prometheus_client exposes counter `x` as sample `x_total`; both spellings are accepted."""
-    total = 0.0
+def _counter_increases(before: Snapshot, after: Snapshot, name: str, labels: dict[str, str]):
+    """(label set, increase) of each sample of counter `name` whose labels match `labels`, between two
+    scrapes. prometheus_client exposes counter `x` as sample `x_total`; both spellings are accepted."""
     for (n, labs), v in after.items():
-        if n not in (name, name + "_total"):
-            continue
         d = dict(labs)
-        if any(d.get(k) != v2 for k, v2 in labels.items()):
-            continue
-        total += v - before.get((n, labs), 0.0)
-    return total
+        if n in (name, name + "_total") and all(d.get(k) == v2 for k, v2 in labels.items()):
+            yield d, v - before.get((n, labs), 0.0)
+
+
+def counter_delta(before: Snapshot, after: Snapshot, name: str, **labels: str) -> float:
+    """Increase of a counter (summed over label sets that match `labels`) between two scrapes."""
+    return sum((inc for _, inc in _counter_increases(before, after, name, labels)), 0.0)
 
 
 @dataclass(frozen=True)
@@ -217,13 +217,7 @@ def per_second_latency(records: list[SessionRecord], seconds: int) -> list[dict]
 def counter_by_label(before: Snapshot, after: Snapshot, name: str, label: str, **labels: str) -> dict[str, float]:
     """Increase of a counter between two scrapes, split by one label (e.g. errors by `kind`); zeros left out."""
     out: dict[str, float] = {}
-    for (n, labs), v in after.items():
-        if n not in (name, name + "_total"):
-            continue
-        d = dict(labs)
-        if any(d.get(k) != v2 for k, v2 in labels.items()):
-            continue
-        inc = v - before.get((n, labs), 0.0)
+    for d, inc in _counter_increases(before, after, name, labels):
         if inc:
             out[d.get(label, "")] = out.get(d.get(label, ""), 0.0) + inc
     return out
