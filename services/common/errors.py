@@ -10,6 +10,8 @@ reaches another stream or the shared codec/model state.
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 
@@ -113,3 +115,18 @@ class Internal(StageError):
 
     code = grpc.StatusCode.INTERNAL
     kind = "internal"
+
+
+# A refusal that a retry can fix ends its message with this hint, the one format every stage writes
+# and the gateway reads (its Retry-After): "... retry in 1.5 s".
+_RETRY_HINT = re.compile(r"retry in (\d+(?:\.\d+)?) s$")
+
+
+def retry_hint(seconds: float) -> str:
+    return f"retry in {max(0.1, seconds):.1f} s"
+
+
+def parse_retry_hint(message: str) -> float | None:
+    """The seconds a message's retry hint names (None without one)."""
+    m = _RETRY_HINT.search(message or "")
+    return float(m.group(1)) if m else None

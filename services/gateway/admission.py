@@ -17,7 +17,7 @@ from services.gateway.relay import OpenParams, Relay, RelayError, open_on_cells
 log = logging.getLogger("gateway.admission")
 
 # Refusals a client should retry later (close 1013), not give up on.
-RETRY_LATER = ("resource_exhausted", "server_shutting_down")
+RETRY_LATER = ("resource_exhausted", "server_busy", "server_shutting_down")
 
 
 def admission_error(pool) -> RelayError | None:

@@ -154,6 +154,13 @@ class GatewayConfig:
                                                                                 "acknowledging a close")
     stall_timeout_s: float = option(3.0, aliases=("--stall-timeout",), help="input outstanding and no output "
                                                                             "this long: the stage is stalled")
+    # An SDK connects with ?model= and sends its session.update at once: the autostarted session takes its
+    # slot but prefills nothing until that update, its first audio, or this long (one prompt per open).
+    autostart_hold_ms: int = option(500, help="an autostarted session's prompt waits this long for its first "
+                                              "session.update or audio before it starts with the defaults")
+    # Each re-runs the prompt on the GPU; SDKs send one or two.
+    max_reprimes_per_10s: int = option(5, help="session.update prompt changes before audio, per connection and 10 s; "
+                                               "more are refused (rate_limit_exceeded)")
     early_outputs: bool = option(True, help="the talker sends each output at its step's end and the relay holds it "
                                             "for its input frame (false: the talker holds it; TalkOpen.early_outputs)")
     api_key_env: str = option(API_KEY_ENV, help="environment variable holding the bearer key (unset: no check)")

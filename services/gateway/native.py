@@ -17,6 +17,7 @@ same 1920-sample frames as the Realtime wire and renders output frames as Opus p
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import re
 import secrets
@@ -93,7 +94,10 @@ async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -
         error = {"type": e.error_type, "code": e.code, "message": e.message}
         if e.client_fault:
             return _refused(ctx, session_id, Refusal(400, error))
-        retry = RETRY_AFTER_FULL_S if e.code == "resource_exhausted" else RETRY_AFTER_DOWN_S
+        if e.code == "server_busy" and e.retry_after_s is not None:
+            retry = max(1, math.ceil(e.retry_after_s))  # the talker's estimate of its prefill queue
+        else:
+            retry = RETRY_AFTER_FULL_S if e.code in ("resource_exhausted", "server_busy") else RETRY_AFTER_DOWN_S
         return _refused(ctx, session_id, Refusal(503, error, retry))
     admitted = _Admitted(session_id, relay)
     setattr(conn, _ADMITTED_ATTR, admitted)

@@ -7,6 +7,12 @@ truncate of its item ends it early (its unsent audio dropped) and the next opens
 (parsed and validated by realtime_wire.py), keeps the settings and the conversation record, and
 renders output frames and endings as events.
 
+Opening the way SDKs do: connecting with `?model=` takes a slot at once (session.created) but holds
+the prompt until the first session.update, the first audio or autostart_hold_ms; a session.update
+before audio re-primes the same slot in place (never released, so a full cell cannot refuse it),
+and session.updated answers it once that prompt is live, so a client that streams after its
+session.updated starts on time. One prompt per open, one prefill in flight per connection.
+
 Ordering rules kept here:
 - every server event gets `event_id` and a per-connection increasing `server_event_seq` as it is sent;
 - `rate_limit_error`/`resource_exhausted` comes before any `session.created`;
@@ -17,8 +23,11 @@ Ordering rules kept here:
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import secrets
+import time
 from dataclasses import replace
 
 from websockets.asyncio.server import ServerConnection
@@ -33,6 +42,8 @@ from services.gateway.realtime_wire import (
     truncate_end_ms)
 from services.gateway.relay import OutputFrame, Relay, RelayError
 from services.gateway.session import ClientSession
+
+REPRIME_WINDOW_S = 10.0  # the window of GatewayConfig.max_reprimes_per_10s
 
 
 class RealtimeSession(ClientSession):
@@ -52,6 +63,11 @@ class RealtimeSession(ClientSession):
         self.conv: Conversation | None = None  # from the first accepted audio on
         self._next_metadata: dict | None = None  # a response.create's metadata, for the first response
         self._seq = 0  # server_event_seq of the last event sent
+        # session.updates before audio not yet answered, (the prime whose prompt answers it, event_id)
+        self._waiting: list[tuple[int, str | None]] = []
+        self._prime_settings: dict[int, SessionSettings] = {}  # the settings of each prime not refused (0: the open)
+        self._announced = False  # a session.updated went out for a live prompt
+        self._reprimes: collections.deque[float] = collections.deque()  # when recent prompt changes came
         self._handlers = {
             "session.update": self._on_session_update,
             "input_audio_buffer.append": self._on_append,
@@ -87,8 +103,8 @@ class RealtimeSession(ClientSession):
     # ---- client events ------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.autostart:
-            await self._open(self.settings)
+        if self.autostart:  # an SDK's connect: the slot now, the prompt at its session.update (module doc)
+            await self._open(self.settings, hold=True)
 
     async def on_message(self, message: str | bytes) -> None:
         event_id = None
@@ -110,28 +126,32 @@ class RealtimeSession(ClientSession):
         caps = capabilities(self.ctx.pool.capacity_summary(), self.relay.output_delay_frames if self.relay else None)
         return session_object(self.session_id, self.model, self.settings, caps)
 
-    async def _open(self, settings: SessionSettings, event_id: str | None = None) -> bool:
+    async def _open(self, settings: SessionSettings, event_id: str | None = None, hold: bool = False) -> bool:
         """Admit the session on a cell. On refusal the error goes out before any session.created
-        (naming the session.update that asked, if it carried an event_id)."""
+        (naming the session.update that asked, if it carried an event_id). `hold`: the prompt waits
+        for the first session.update or audio (or autostart_hold_ms); session.updated follows it."""
         if settings.requested_id:
             self.session_id = settings.requested_id
         try:
-            relay = await self._open_relay(settings)
+            relay = await self._open_relay(settings, hold_ms=self.cfg.autostart_hold_ms if hold else 0)
         except RelayError as e:
             self.ctx.metrics.sessions_refused.labels(self.protocol, e.code).inc()
             self.send_error(e.error_type, e.code, e.message, event_id, param="session" if e.client_fault else None)
             if not e.client_fault:
                 self._end_refused(e)
             return False
-        self.settings = settings
+        self.settings = self._prime_settings[0] = settings
         self.adopt(relay)
         self.count_opened()
         self.emit({"type": "session.created", "session": self._session_object()})
-        self.emit({"type": "session.updated", "session": self._session_object()})
+        if relay.live:
+            self.emit({"type": "session.updated", "session": self._session_object()})
+            self._announced = True
         return True
 
-    async def _open_relay(self, settings: SessionSettings, prefer=None, wait: bool = True) -> Relay:
-        return await self.open_relay(settings.voice, settings.instructions, settings.sampling(), prefer, wait)
+    async def _open_relay(self, settings: SessionSettings, hold_ms: int = 0) -> Relay:
+        return await self.open_relay(settings.voice, settings.instructions, settings.sampling(),
+                                     hold_prompt_ms=hold_ms)
 
     def _end_refused(self, e: RelayError) -> None:
         """No session after a refusal that is not the client's fault: close (1013 = retry later)."""
@@ -151,45 +171,56 @@ class RealtimeSession(ClientSession):
             return
         if self.audio_started:
             check_update_after_audio(self.settings, new)
-        elif new.runtime_key() != self.settings.runtime_key() and not await self._reopen(new, event_id):
+        elif new.runtime_key() != self.settings.runtime_key():
+            self._waiting.append((await self._reprime(new), event_id))  # answered once its prompt is live
+            return
+        elif not self.relay.live:
+            self.settings = new
+            self._waiting.append((self.relay.primes, event_id))
             return
         self.settings = new
         self.emit({"type": "session.updated", "session": self._session_object()})
 
-    async def _reopen(self, new: SessionSettings, event_id: str | None) -> bool:
-        """Nothing was said yet: redo the prompt prefill with the new settings (same cell first).
-        True when the new settings are live. On refusal the client gets the typed error and then:
+    async def _reprime(self, new: SessionSettings) -> int:
+        """Nothing was said yet: the prompt is redone with the new settings in the same slot (the
+        talker cancels an unfinished prefill; the slot is never given up, so a full cell cannot
+        refuse it). At most max_reprimes_per_10s a connection. Returns the prime's number."""
+        now = time.monotonic()
+        while self._reprimes and now - self._reprimes[0] > REPRIME_WINDOW_S:
+            self._reprimes.popleft()
+        if len(self._reprimes) >= self.cfg.max_reprimes_per_10s:
+            raise ClientError("rate_limit_exceeded", f"at most {self.cfg.max_reprimes_per_10s} prompt changes per "
+                              f"{REPRIME_WINDOW_S:g} s before audio: each one re-runs the prompt on the model",
+                              "session", type_="rate_limit_error")
+        self._reprimes.append(now)
+        voice, voice_audio = await asyncio.to_thread(self.ctx.voices.for_open, new.voice)
+        if self.closing or self.relay is None:
+            raise ClientError("bad_event", "the session is closing")
+        n = self.relay.prime(voice, new.instructions, new.sampling(), voice_audio)
+        self._prime_settings[n] = self.settings = new
+        return n
 
-        - its old session, untouched, when the new one is refused while the old one is still held
-          (settings the talker refuses, every cell draining, a stage down): stages judge settings
-          before they take a slot, so this is tried beside the old session first;
-        - a clearly closed session (session.closed, close 1013 or 1011) when every cell was full:
-          the old slot is given up for the new settings, and another client may take it first."""
-        cell = self.relay.cell
-        try:
-            relay = await self._open_relay(new, prefer=cell, wait=False)
-        except RelayError as e:
-            if e.code != "resource_exhausted":
-                self.send_error(e.error_type, e.code, e.message, event_id, param="session" if e.client_fault else None)
-                return False
-            relay = None
-        if self.closing:  # the old relay failed meanwhile: the session is ending, the new one is not wanted
-            if relay is not None:
-                await relay.abort()
-            return False
-        await self.retire()
-        if relay is not None:
-            self.adopt(relay)
-            return True
-        try:  # the cell was full: its slot is ours again only if nobody takes it first
-            self.adopt(await self._open_relay(new, prefer=cell))
-            return True
-        except RelayError as e:
-            self.send_error(e.error_type, e.code, e.message, event_id, param="session" if e.client_fault else None)
-            self.closing = True
-            self._emit_done_and_closed("failed")
-            self._end_refused(e)
-            return False
+    def on_prompt_live(self) -> None:
+        """The latest prompt is in the slot: each session.update that waited for it is answered now
+        (an autostarted session that got none announces its default prompt once)."""
+        if self.closing:
+            return
+        live = self.relay.ready.prime
+        answered = [e for e in self._waiting if e[0] <= live]
+        self._waiting = [e for e in self._waiting if e[0] > live]
+        n = len(answered) or (0 if self._announced else 1)
+        self._announced = True
+        for _ in range(n):
+            self.emit({"type": "session.updated", "session": self._session_object()})
+
+    def on_prime_refused(self, prime: int, err: RelayError) -> None:
+        """The talker refused an update's settings (an unknown voice, say): that update gets the typed
+        error, and the session goes on with the settings it had."""
+        for n, event_id in [e for e in self._waiting if e[0] == prime]:
+            self.send_error(err.error_type, err.code, err.message, event_id, param="session")
+        self._waiting = [e for e in self._waiting if e[0] != prime]
+        self._prime_settings.pop(prime, None)
+        self.settings = self._prime_settings[max(self._prime_settings)]
 
     async def _on_heartbeat(self, event: dict) -> None:
         self.emit(heartbeat_ack(event))

@@ -15,6 +15,14 @@ Lifecycle of a session (a Relay):
 - `open_on_cells` sends the session's three opens on the cell's links; if any stage refuses, the
   stages that did open get an end and are waited for (nothing is half-opened), then the next cell is
   tried. All full -> RelayError("resource_exhausted").
+- A session may open on hold (`OpenParams.hold_prompt_ms`, the Realtime wire's autostart): the
+  talker takes the slot and answers `held`, and the prompt runs at the first `prime()` (new
+  settings, re-primed in place as often as the client changes them before its audio), at the first
+  frame (the open's settings), or when the hold ends. The session is live at the talker's `ready`
+  for the latest prime (`on_ready`); earlier readies are stale and ignored.
+- Audio before go-live is held here, at most PRELIVE_FRAMES (the newest; older ones are dropped and
+  counted in `prelive_dropped`), and leaves for the encoder at go-live: the session lives however
+  long its prompt waited, and it starts at most that many frames behind.
 - Frames: the talker is opened with early_outputs (the gateway's --early-outputs), so a tick's
   outputs leave its step together and the decoder steps once per tick. Output k can then be decoded
   before the client sent frame k (the model computes it from frames up to k-1); the relay delivers
@@ -33,6 +41,7 @@ Lifecycle of a session (a Relay):
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -42,6 +51,7 @@ import grpc
 import numpy as np
 
 from duplex.v1 import common_pb2, decoder_pb2, encoder_pb2, talker_pb2
+from services.common.errors import parse_retry_hint
 from services.gateway.audio import FRAME_SAMPLES, f32_frame_bytes, f32_from_frame_bytes
 from services.gateway.cells import STAGES, Cell
 
@@ -52,7 +62,7 @@ _REQUESTS = {"encoder": encoder_pb2.EncodeRequest, "talker": talker_pb2.TalkRequ
 _LINK_REQUESTS = {"encoder": encoder_pb2.EncodeLinkRequest, "talker": talker_pb2.TalkLinkRequest,
                   "decoder": decoder_pb2.DecodeLinkRequest}
 _LINK_METHODS = {"encoder": "EncodeLink", "talker": "TalkLink", "decoder": "DecodeLink"}
-_OPEN_ANSWER = {"encoder": "opened", "talker": "ready", "decoder": "opened"}
+_OPEN_ANSWERS = {"encoder": ("opened",), "talker": ("ready", "held"), "decoder": ("opened",)}
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 MESSAGE_BYTES = 1 * 2**20  # one outgoing link message at most this big
 # How long a link waits after its first unsent entry before it writes, per stage. Client frames reach
@@ -66,21 +76,26 @@ OUTBOX_BYTES = 32 * 2**20  # unsent entries on one stage link before send_frame 
 # typed): the relays into the talker and decoder links cannot wait for room, so this bounds them.
 OUTBOX_LIMIT_BYTES = 2 * OUTBOX_BYTES
 WATCH_PERIOD_S = 0.25
+# Client frames held while the prompt is not live (the newest are kept): 1 s of audio. The talker
+# catches a session up a frame per catch-up step, so a short hold costs a few ticks, not the call.
+PRELIVE_FRAMES = 12
 
 
 class RelayError(Exception):
     """A typed failure. `code` is the wire error code; `client_fault` picks invalid_request_error."""
 
-    def __init__(self, code: str, message: str, stage: str | None = None, client_fault: bool = False):
+    def __init__(self, code: str, message: str, stage: str | None = None, client_fault: bool = False,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.code = code
         self.stage = stage
         self.client_fault = client_fault
         self.message = message
+        self.retry_after_s = retry_after_s  # a refusal's hint: try again after this long
 
     @property
     def error_type(self) -> str:
-        if self.code == "resource_exhausted":
+        if self.code in ("resource_exhausted", "server_busy"):
             return "rate_limit_error"
         return "invalid_request_error" if self.client_fault else "server_error"
 
@@ -109,6 +124,7 @@ class OpenParams:
     sampling: talker_pb2.Sampling
     voice_audio: bytes = b""  # an enrolled voice's samples (services/gateway/voices.py); b"": bundled
     early_outputs: bool = True  # the talker sends output k at its step's end; the relay pairs it (module doc)
+    hold_prompt_ms: int = 0  # open on hold: the prompt waits for a prime, a frame or this long (module doc)
 
 
 @dataclass
@@ -294,6 +310,14 @@ class Relay:
         self._cleanup_timeout_s = cleanup_timeout_s
         self.on_output: Callable[[OutputFrame], None] = lambda f: None
         self.on_error: Callable[[RelayError], None] = lambda e: None
+        self.on_ready: Callable[[talker_pb2.TalkReady], None] = lambda r: None  # the latest prompt is live
+        # A prime the talker refused (its number, the refusal): the session goes on with its last prompt.
+        self.on_prime_refused: Callable[[int, RelayError], None] = lambda n, e: None
+        self.primes = 0  # primes sent (numbered 1, 2, ...)
+        self._accepted = [0]  # the open's prompt and each prime not refused: the last one's ready makes it live
+        self._last_ready: talker_pb2.TalkReady | None = None
+        self._prelive: collections.deque[np.ndarray] = collections.deque(maxlen=PRELIVE_FRAMES)
+        self.prelive_dropped = 0  # client frames dropped while the prompt was not live
         self.frames_in = 0
         self.frames_out = 0
         self.latencies: list[float] = []  # per output frame, seconds (for the session's summary)
@@ -338,12 +362,24 @@ class Relay:
                              f"stream id {params.stream_id!r} is already live on cell {cell.name}")
         p = cls(cell, link, params, stall_timeout_s, cleanup_timeout_s)
         link.sessions[params.stream_id] = p
+        try:
+            await p._open(open_timeout_s, cleanup_timeout_s)
+        except asyncio.CancelledError:
+            # The caller went away mid-open (a dropped client): whatever the stages opened is ended in
+            # the background, bounded by cleanup_timeout_s, so no slot outlives the caller.
+            p._aborting = p._closing = True
+            asyncio.ensure_future(p._end_then_forget(cleanup_timeout_s))
+            raise
+        return p
+
+    async def _open(self, open_timeout_s: float, cleanup_timeout_s: float) -> None:
+        params, cell = self.params, self.cell
         opens = {
             "encoder": encoder_pb2.EncodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
             "talker": talker_pb2.TalkRequest(open=talker_pb2.TalkOpen(
                 stream=common_pb2.StreamOpen(stream_id=params.stream_id), voice=params.voice, persona=params.persona,
                 sampling=params.sampling, voice_audio=params.voice_audio,
-                early_outputs=params.early_outputs)),
+                early_outputs=params.early_outputs, hold_prompt_ms=params.hold_prompt_ms)),
             "decoder": decoder_pb2.DecodeRequest(open=common_pb2.StreamOpen(stream_id=params.stream_id)),
         }
         # The talker first, the codecs once it accepts: the talker's slot refusal alone decides
@@ -351,36 +387,94 @@ class Relay:
         # stage's last slots in a different order, and as a caller refused anywhere is refused
         # whole, a full cell would admit fewer callers than it has slots.
         deadline = time.monotonic() + open_timeout_s
-        p._send("talker", request=opens["talker"])
-        await asyncio.wait([p._opened["talker"]], timeout=open_timeout_s)
-        if _open_outcome(p._opened["talker"]) is None:
+        self._send("talker", request=opens["talker"])
+        await asyncio.wait([self._opened["talker"]], timeout=open_timeout_s)
+        if _open_outcome(self._opened["talker"]) is None:
             for stage in ("encoder", "decoder"):
-                p._send(stage, request=opens[stage])
-            await asyncio.wait([p._opened["encoder"], p._opened["decoder"]],
+                self._send(stage, request=opens[stage])
+            await asyncio.wait([self._opened["encoder"], self._opened["decoder"]],
                                timeout=max(0.0, deadline - time.monotonic()))
         else:
             for stage in ("encoder", "decoder"):  # never opened there: nothing to end
-                p._stage_ended(stage, StageEnd(grpc.StatusCode.CANCELLED, "not_opened", "the talker refused first"))
-        outcomes = {s: _open_outcome(f) for s, f in p._opened.items()}
+                self._stage_ended(stage, StageEnd(grpc.StatusCode.CANCELLED, "not_opened", "the talker refused first"))
+        outcomes = {s: _open_outcome(f) for s, f in self._opened.items()}
         failures = {s: why for s, why in outcomes.items() if why is not None and not _never_opened(why)}
         if failures:
             # Nothing half-opened: end what did open and wait until each stage acknowledges.
-            p._aborting = p._closing = True
-            await p._end_stages(cleanup_timeout_s)
-            link._forget(p)
+            self._aborting = self._closing = True
+            await self._end_then_forget(cleanup_timeout_s)
             raise _open_failure(cell, failures)
-        p.ready = p._opened["talker"].result().ready
+        answer = self._opened["talker"].result()
+        if answer.WhichOneof("kind") == "ready":
+            self.ready = answer.ready
         cell.live_sessions += 1
-        p._counted = True
-        return p
+        self._counted = True
+
+    async def _end_then_forget(self, timeout: float) -> None:
+        await self._end_stages(timeout)
+        self._link._forget(self)
+
+    # ---- the prompt --------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        """The latest prompt is in the talker's slot: frames flow."""
+        return self.ready is not None
+
+    def prime(self, voice: str, persona: str, sampling: talker_pb2.Sampling, voice_audio: bytes = b"") -> int:
+        """(Re)start the prompt with these settings, in the same slot (allowed until the first frame
+        left for the encoder). Returns the prime's number; the session is live again at the talker's
+        ready for it, or goes on with its last prompt if the talker refuses it (on_prime_refused)."""
+        if self._failed:
+            raise self._failed
+        if self.frames_in:
+            raise RelayError("session_locked", "the prompt cannot change once audio has reached the model",
+                             client_fault=True)
+        self.primes += 1
+        self._accepted.append(self.primes)
+        self.ready = None
+        self._send("talker", request=talker_pb2.TalkRequest(prime=talker_pb2.TalkPrime(
+            voice=voice, persona=persona, sampling=sampling, voice_audio=voice_audio, prime=self.primes)))
+        return self.primes
+
+    def _on_ready(self, ready: talker_pb2.TalkReady) -> None:
+        self._last_ready = ready
+        if ready.prime != self._accepted[-1]:
+            return  # an earlier prompt's: replaced since
+        self.ready = ready
+        self.on_ready(ready)
+        while self._prelive and self._failed is None:
+            self._forward(self._prelive.popleft())
+
+    def _on_prime_refused(self, refused: talker_pb2.TalkPrimeRefused) -> None:
+        if refused.prime in self._accepted:
+            self._accepted.remove(refused.prime)
+        code = _TALKER_REFUSALS.get(refused.kind, "invalid_instructions")
+        self.on_prime_refused(refused.prime, RelayError(code, refused.details, "talker", client_fault=True))
+        last = self._last_ready
+        if self.ready is None and last is not None and last.prime == self._accepted[-1]:
+            self._on_ready(last)  # the prompt it goes on with was live already
 
     # ---- frames in ---------------------------------------------------------
 
-    async def send_frame(self, frame: np.ndarray) -> int:
-        """Hand one 1920-sample frame to the encoder. Returns its input seq."""
+    async def send_frame(self, frame: np.ndarray) -> None:
+        """Hand one 1920-sample frame to the encoder, or hold it until the prompt is live (a held
+        open's first frame starts its prompt with the open's settings)."""
         if self._failed:
             raise self._failed
         assert frame.shape == (FRAME_SAMPLES,)
+        if not self.live:
+            if self.primes == 0 and self.params.hold_prompt_ms:
+                p = self.params
+                self.prime(p.voice, p.persona, p.sampling, p.voice_audio)
+            if len(self._prelive) == PRELIVE_FRAMES:
+                self.prelive_dropped += 1
+            self._prelive.append(frame)
+            return
+        self._forward(frame)
+        await self._link.links["encoder"].room()
+
+    def _forward(self, frame: np.ndarray) -> None:
         seq = self.frames_in
         self._sent_at[seq] = time.monotonic()
         pcm = common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame))
@@ -389,8 +483,6 @@ class Relay:
         if self._early is not None and self._early.input_seq < self.frames_in:
             early, self._early = self._early, None
             self._deliver(early, self._sent_at.get(early.input_seq, time.monotonic()))
-        await self._link.links["encoder"].room()
-        return seq
 
     def _send(self, stage: str, **kind) -> None:
         link = self._link.links[stage]
@@ -408,9 +500,14 @@ class Relay:
             return
         resp = entry.response
         kind = resp.WhichOneof("kind")
-        if kind == _OPEN_ANSWER[stage]:
+        if kind in _OPEN_ANSWERS[stage]:
             if not self._opened[stage].done():
                 self._opened[stage].set_result(resp)
+            elif kind == "ready" and not self._aborting:
+                self._on_ready(resp.ready)
+            return
+        if kind == "prime_refused":
+            self._on_prime_refused(resp.prime_refused)
             return
         if self._aborting:
             return
@@ -585,7 +682,12 @@ def _open_failure(cell: Cell, failures: dict[str, StageEnd | RelayError]) -> Rel
         if stage == "talker" and isinstance(end, StageEnd) and end.code == grpc.StatusCode.INVALID_ARGUMENT:
             which = _TALKER_REFUSALS.get(end.kind, "invalid_instructions")
             return RelayError(which, end.details or "talker refused the session settings", stage, client_fault=True)
-    # Not a client fault: RESOURCE_EXHAUSTED anywhere means full; anything else is a stage problem.
+    # Not a client fault: RESOURCE_EXHAUSTED anywhere means full (or, from the talker, a prefill queue
+    # too long for a prompt to wait in); anything else is a stage problem.
+    busy = failures.get("talker")
+    if isinstance(busy, StageEnd) and busy.kind == "prefill_busy":
+        return RelayError("server_busy", f"cell {cell.name} is busy starting other sessions: {busy.details}", None,
+                          retry_after_s=parse_retry_hint(busy.details))
     if any(isinstance(e, StageEnd) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures.values()):
         return RelayError("resource_exhausted", f"cell {cell.name} has no free slot", None)
     stage, end = next(iter(failures.items()))
@@ -610,5 +712,5 @@ async def open_on_cells(cells: list[Cell], make_params: Callable[[], OpenParams]
                 raise
             log.info("cell %s refused a session: %s %s", cell.name, e.code, e.message)
             errors.append(e)
-    # Every cell said no: if any was merely full, the client may retry later.
-    raise next((e for e in errors if e.code == "resource_exhausted"), errors[-1])
+    # Every cell said no: if any was merely full or busy, the client may retry later.
+    raise next((e for e in errors if e.code in ("resource_exhausted", "server_busy")), errors[-1])

@@ -41,12 +41,12 @@ FINAL_FLUSH_S = 2.0
 
 
 async def open_relay(ctx, session_id: str, voice: str, persona: str, sampling: talker_pb2.Sampling,
-                     prefer=None, wait: bool = True) -> Relay:
+                     prefer=None, wait: bool = True, hold_prompt_ms: int = 0) -> Relay:
     """Admit a session on a cell (admission.admit). An enrolled voice's samples are read off the
-    event loop and travel with the open. Raises RelayError."""
+    event loop and travel with the open. `hold_prompt_ms`: open on hold (relay.py). Raises RelayError."""
     voice, voice_audio = await asyncio.to_thread(ctx.voices.for_open, voice)
     params = lambda: OpenParams(f"{session_id}.{secrets.token_hex(4)}", voice, persona,  # noqa: E731
-                                sampling, voice_audio, ctx.config.early_outputs)
+                                sampling, voice_audio, ctx.config.early_outputs, hold_prompt_ms)
     return await admit(ctx, params, prefer, wait=wait)
 
 
@@ -92,6 +92,12 @@ class ClientSession:
 
     async def on_idle(self, limit: float) -> None:
         pass
+
+    def on_prompt_live(self) -> None:
+        """The relay's latest prompt went live (a held open's or a re-prime's): frames flow now."""
+
+    def on_prime_refused(self, prime: int, err: RelayError) -> None:
+        """The talker refused a re-prime's settings; the session goes on with the prompt it had."""
 
     # ---- run -----------------------------------------------------------------------------------
 
@@ -247,17 +253,20 @@ class ClientSession:
     # ---- the relay -----------------------------------------------------------------------------
 
     async def open_relay(self, voice: str, persona: str, sampling: talker_pb2.Sampling, prefer=None,
-                         wait: bool = True) -> Relay:
+                         wait: bool = True, hold_prompt_ms: int = 0) -> Relay:
         self._opening += 1
         try:
-            return await open_relay(self.ctx, self.session_id, voice, persona, sampling, prefer, wait)
+            return await open_relay(self.ctx, self.session_id, voice, persona, sampling, prefer, wait,
+                                    hold_prompt_ms)
         finally:
             self._opening -= 1
 
     def adopt(self, relay: Relay) -> None:
-        """The session holds `relay` now: it counts in the active gauge until `retire` or `release`."""
+        """The session holds `relay` now: it counts in the active gauge until `release`."""
         relay.on_output = self._on_output
         relay.on_error = self._on_relay_error
+        relay.on_ready = lambda ready: self.on_prompt_live()
+        relay.on_prime_refused = self.on_prime_refused
         self.relay = relay
         self._audio_at = time.monotonic()  # the no-audio clock starts at open
         self.ctx.metrics.sessions_active.labels(self.protocol).inc()
@@ -265,16 +274,11 @@ class ClientSession:
     def count_opened(self) -> None:
         relay = self.relay
         self.ctx.metrics.sessions_opened.labels(self.protocol).inc()
-        self.log.info("%s %s open on cell %s (prefill %d frames in %.0f ms)", self.log_tag, self.session_id,
-                      relay.cell.name, relay.ready.prefill_frames, relay.ready.prefill_ms)
-
-    async def retire(self) -> None:
-        """Let the current relay go while the session goes on (before a reopen)."""
-        relay, self.relay = self.relay, None
-        try:
-            await release(self.ctx, relay, graceful=False)
-        finally:
-            self.ctx.metrics.sessions_active.labels(self.protocol).dec()
+        if relay.ready is None:
+            self.log.info("%s %s open on cell %s (its prompt on hold)", self.log_tag, self.session_id, relay.cell.name)
+        else:
+            self.log.info("%s %s open on cell %s (prefill %d frames in %.0f ms)", self.log_tag, self.session_id,
+                          relay.cell.name, relay.ready.prefill_frames, relay.ready.prefill_ms)
 
     async def release(self, graceful: bool) -> None:
         """End the relay's streams, once, however many paths (close, drop, failure) ask."""

@@ -27,7 +27,14 @@ frame k arrives. Output k still leaves only after input k came in, so the stream
 outputs as before (N in, N out); the step that took the last input is surplus and is dropped. A
 session opened with early_outputs (the gateway's) gets output k at its step's end instead: a
 tick's outputs leave together, so the decoder steps once per tick, right after the talker, rather
-than once per late input through the next talker step; the caller pairs them.
+than once per late input through the next talker step; the caller pairs them. Early outputs still
+wait for the session's first frame: until then its prompt may be re-primed.
+
+Prompts (prefill_queue.py): a session may open on hold (its slot taken, no prefill) and start its
+prompt at its first prime, its first frame or the hold's end; before its first frame it may be
+re-primed in place (the unfinished prefill dropped, the same slot). An open whose prompt would
+wait longer than max_prefill_wait_s in the queue is refused up front (`admit`, "prefill_busy"
+with a retry hint): a burst of callers is told to come back rather than admitted and starved.
 """
 
 from __future__ import annotations
@@ -36,15 +43,17 @@ import asyncio
 import logging
 import time
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import FailedPrecondition, ResourceExhausted, retry_hint
 from services.common.frame_grid import last_grid_time, next_grid_time
 from services.common.slots import SlotPool
+from services.talker.prefill_queue import PrefillQueue
 from services.talker.runner import PieceResult, StepOutputs, StepRunner
 from services.talker.session import END, Output, Ready, Session
 from services.talker.tick_policy import LAG_FRAMES, CatchUp, TickPolicy
 
 log = logging.getLogger("talker.clock")
 
+PRELIVE_BACKLOG_FACTOR = 4  # max_prelive_frames = this x the backlog bound
 LATE_START_S = 0.010  # a slow tick that started this late after its deadline counts as "late_start"
 LOG_EVERY_S = 10.0  # at most one warning of each kind per this long, with a count
 
@@ -63,8 +72,10 @@ class BacklogFull(ResourceExhausted):
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
                  prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, tick_phase_s: float = 0.0,
-                 catch_up_lag_frames: int = LAG_FRAMES, metrics=None):
+                 catch_up_lag_frames: int = LAG_FRAMES, max_prefill_wait_s: float = 0.0, metrics=None):
         self.policy = TickPolicy(tick_s, input_wait_s, catch_up_lag_frames)
+        self.prefill_queue = PrefillQueue(tick_s, prefill_chunk_frames)
+        self.max_prefill_wait_s = max_prefill_wait_s
         self.runner = StepRunner(engine, prefill_chunk_frames)
         self.engine = engine
         self.step_ahead = engine.step_ahead  # step k queued when input k-1 arrives (module doc)
@@ -72,6 +83,9 @@ class ConversationClock:
         self.tick_s = tick_s
         self.tick_phase_s = tick_phase_s  # deadlines at k * tick_s + tick_phase_s
         self.max_backlog_frames = max_backlog_frames
+        # Frames a session may queue before its prompt is live (a caller that streams before its
+        # `ready`): a safety bound only; the gateway holds a client's audio until go-live.
+        self.max_prelive_frames = PRELIVE_BACKLOG_FACTOR * max_backlog_frames
         self.metrics = metrics
         self.sessions: dict[int, Session] = {}  # slot -> session, in arrival order
         self._wake = asyncio.Event()  # new work: end the sleep before the deadline
@@ -103,30 +117,79 @@ class ConversationClock:
     # ---- sessions (called by the servicer) ----------------------------------------------------
 
     def open(self, stream_id: str, slot: int, voice: str | None, persona: str, sampling, seed: int,
-             early_outputs: bool = False) -> Session:
-        """Register a session on an acquired slot; its prompt runs in pieces behind the next steps.
+             early_outputs: bool = False, hold: bool = False, prime: int = 0, why: str = "open") -> Session:
+        """Register a session on an acquired slot; its prompt runs in pieces behind the next steps,
+        or, with `hold`, once start_prompt() is called (a prime, the first frame, the hold's end).
 
         Its outbox gets Ready when the prompt sits in the slot, or the engine's typed
         error (InvalidVoice, InvalidPersona, InvalidSampling) if begin() refuses it.
         """
         s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed,
-                    early_outputs=early_outputs)
-        s.prefill_started = time.perf_counter()
+                    early_outputs=early_outputs, prime=prime, on_hold=True)
         if self.step_ahead:
             s.inputs.append((0, None))
         self.sessions[slot] = s
-        self._wake.set()
+        if not hold:
+            self.start_prompt(s, why)
         return s
 
+    def start_prompt(self, s: Session, why: str) -> None:
+        """Queue the prompt of a session on hold (metrics.PROMPT_STARTS says why now)."""
+        if not s.on_hold or s.closed or s.failed:
+            return
+        s.on_hold = False
+        s.prefill_started = time.perf_counter()
+        self.prefill_queue.queue_became_busy(asyncio.get_running_loop().time())
+        if self.metrics:
+            self.metrics.prompts_started.labels(why=why).inc()
+        self._wake.set()
+
+    def reprime(self, s: Session, prime: int, voice: str | None, persona: str, sampling, seed: int) -> Session:
+        """New prompt settings for a session that has sent no frame: its unfinished prefill (or its
+        prompt already live) is dropped and the new prompt runs in the same slot, which stays this
+        stream's throughout. Returns the session that replaces `s` (the caller reads its outbox)."""
+        if s.received:
+            raise FailedPrecondition("the prompt can be changed only before the first frame", kind="prime_after_audio")
+        if s.closed or s.failed or s.ended:
+            raise FailedPrecondition("the session is over", kind="closed")
+        why = "prime" if s.on_hold else "reprime"
+        self.close(s)  # the engine releases the slot behind any step in flight with it; the pool keeps it ours
+        return self.open(s.stream_id, s.slot, voice, persona, sampling, seed, s.early_outputs, prime=prime, why=why)
+
+    def prefill_wait_s(self) -> float:
+        """How long the prompt of a session opened now would wait (prefill_queue.py)."""
+        wait = self.prefill_queue.wait_s(self.sessions.values())
+        if self.metrics:
+            self.metrics.prefill_wait_estimate.set(wait)
+        return wait
+
+    def admit(self) -> None:
+        """Refuse an open whose prompt would wait longer than max_prefill_wait_s (0: never)."""
+        if self.max_prefill_wait_s <= 0:
+            return
+        wait = self.prefill_wait_s()
+        if wait > self.max_prefill_wait_s:
+            if self.metrics:
+                self.metrics.prefill_busy_refusals.inc()
+            raise ResourceExhausted(
+                f"the prefill queue is busy: a prompt opened now would wait about {wait:.1f} s (bound "
+                f"{self.max_prefill_wait_s:.1f} s); {retry_hint(wait - self.max_prefill_wait_s)}", kind="prefill_busy")
+
     def push(self, s: Session, seq: int, codes: list[int]) -> None:
-        """Queue one input frame (already validated and seq-checked by the caller)."""
+        """Queue one input frame (already validated and seq-checked by the caller). A session on
+        hold starts its prompt. Frames that arrive before go-live queue up to max_prelive_frames
+        and do not count against the backlog bound, which applies from go-live."""
         if s.closed:
             return
-        if len(s.inputs) >= self.max_backlog_frames:
+        self.start_prompt(s, "frame")
+        s.backlog_allowance = min(s.backlog_allowance, len(s.inputs))  # shrinks as catch-ups drain it
+        queued = len(s.inputs) - (s.backlog_allowance if s.live else 0)
+        limit = self.max_backlog_frames if s.live else self.max_prelive_frames
+        if queued >= limit:
             self._count_refusal()
             raise BacklogFull(
-                f"input backlog over its bound: {len(s.inputs)} frames queued "
-                f"(max {self.max_backlog_frames} = {self.max_backlog_frames * self.tick_s:.2f} s); "
+                f"input backlog over its bound: {queued} frames queued "
+                f"(max {limit} = {limit * self.tick_s:.2f} s{'' if s.live else ' before the prompt is live'}); "
                 f"send one frame per {self.tick_s * 1000:.0f} ms"
             )
         if s.outbox.qsize() > self.max_backlog_frames:
@@ -303,7 +366,9 @@ class ConversationClock:
                 i = s.slot
                 output = Output(s.out_seq, seq, out.tokens[i], out.text[i], out.agent_codes[i])
                 s.out_seq += 1
-                if seq < s.received or (s.early_outputs and not s.input_done):
+                # Early outputs wait for the session's first frame: before it the prompt may still be
+                # re-primed, and the caller has nothing to pair output 0 with.
+                if seq < s.received or (s.early_outputs and s.received > 0 and not s.input_done):
                     s.outbox.put_nowait(output)
                 elif not s.input_done:
                     s.held = output  # until input `seq` arrives (push)
@@ -329,6 +394,8 @@ class ConversationClock:
                 self.metrics.prefill_piece.observe(piece.total_s)
         if where == "alone":
             self.policy.piece_measured(piece.total_s)
+        self.prefill_queue.piece_done(asyncio.get_running_loop().time(),
+                                      self.policy.next_prompt(self.sessions.values()) is not None)
         if piece.error is not None:
             self.fail(s, piece.error)
             return
@@ -345,7 +412,9 @@ class ConversationClock:
                  s.stream_id, s.slot, s.job.total_frames, ms,
                  " + ".join(f"{t:.1f} [begin {b:.1f}, launch {c:.1f}, device wait {w:.1f}]"
                             for t, b, c, w in s.pieces_ms))
-        s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, s.job.output_delay_frames, s.seed))
+        self.prefill_queue.prompt_done(len(s.pieces_ms))
+        s.backlog_allowance = len(s.inputs)  # the backlog bound counts from go-live
+        s.outbox.put_nowait(Ready(s.slot, s.job.total_frames, ms, s.job.output_delay_frames, s.seed, s.prime))
         s.job = None
         self._maybe_end(s)
 

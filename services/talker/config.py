@@ -53,6 +53,11 @@ class TalkerConfig(StageConfig):
     # the forced ones made the ticks miss their target (bench/RESULTS.md, front door runs 12-17).
     catch_up_lag_frames: int = option(2, help="frames behind a session must be for a catch-up step past "
                                               "the deadline")
+    # Admission looks at the prefill queue: a caller whose first audio would come this late is told to
+    # retry (RESOURCE_EXHAUSTED prefill_busy, with a retry hint) before its slot is taken. Off by default
+    # (a CPU's prefill is slow and uneven); the GPU profile (k8s/overlays/gpu) sets 2 s.
+    max_prefill_wait_s: float = option(0.0, help="refuse an open whose prompt would wait longer than this in the "
+                                                 "prefill queue (0 = never refuse)")
     max_backlog_s: float = option(2.0, help="queued input beyond this is refused with RESOURCE_EXHAUSTED")
     max_persona_chars: int = option(4000, help="longer persona text is INVALID_ARGUMENT")
     prefill_chunk_frames: int = option(64, help="most prompt frames one prefill chunk runs (with cuda_graph also "
@@ -74,6 +79,8 @@ class TalkerConfig(StageConfig):
             raise ValueError(f"input_wait_ms must be in [0, tick_ms), got {self.input_wait_ms}")
         if self.catch_up_lag_frames < 1:
             raise ValueError(f"catch_up_lag_frames must be >= 1, got {self.catch_up_lag_frames}")
+        if self.max_prefill_wait_s < 0:
+            raise ValueError(f"max_prefill_wait_s must be >= 0, got {self.max_prefill_wait_s}")
         if self.max_backlog_s <= 0:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -15,6 +15,10 @@
     duplex_talker_ticks_dropped_total     counter: periods with no tick (the clock was a whole period behind)
     duplex_talker_step_part_seconds{part} histogram: where a step's wall time goes (STEP_PARTS)
     duplex_talker_backlog_refusals_total  counter: streams ended because their queued input passed the bound
+    duplex_talker_prompts_started_total{why}  counter: prompts whose prefill began (PROMPT_STARTS): one per
+                                          open, plus one per re-prime
+    duplex_talker_prefill_busy_refusals_total  counter: opens refused because the prompt would wait too long
+    duplex_talker_prefill_wait_estimate_seconds  gauge: how long a prompt opened now would wait (prefill_queue.py)
 
 Active streams and free slots are the common `duplex_stage_active_streams` /
 `duplex_stage_free_slots` gauges; step time and batch size are `duplex_stage_step_seconds`
@@ -23,7 +27,7 @@ and `duplex_stage_batch_size` (services/common/metrics.py).
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import StageMetrics
 
@@ -46,6 +50,9 @@ PIECE_PLACES = ("step", "alone")
 # for the GPU (the outputs on the host); turning outputs into lists and text pieces; and the
 # event loop getting back to the tick once the compute thread is done (a loop busy with gRPC
 # traffic delays it). When a step's wall time runs over its GPU time, this says which part it is.
+# Why a prompt's prefill began: at the open; a held open's first prime, first frame or hold's end;
+# a re-prime of a session that had begun one.
+PROMPT_STARTS = ("open", "prime", "frame", "hold_ended", "reprime")
 STEP_PARTS = ("dispatch", "launch", "prefill", "gpu_wait", "outputs", "loop_resume")
 
 
@@ -101,6 +108,16 @@ class TalkerMetrics:
                                    ["part"], buckets=TICK_BUCKETS, registry=r)
         self.backlog_refusals = Counter("duplex_talker_backlog_refusals",
                                         "Streams ended because queued input passed the backlog bound", registry=r)
+        self.prompts_started = Counter("duplex_talker_prompts_started", "Prompts whose prefill began, by why",
+                                       ["why"], registry=r)
+        for why in PROMPT_STARTS:
+            self.prompts_started.labels(why=why)
+        self.prefill_busy_refusals = Counter("duplex_talker_prefill_busy_refusals",
+                                             "Opens refused because their prompt would wait past the bound in the "
+                                             "prefill queue", registry=r)
+        self.prefill_wait_estimate = Gauge("duplex_talker_prefill_wait_estimate_seconds",
+                                           "How long the prompt of a session opened now would wait in the prefill "
+                                           "queue (estimate)", registry=r)
 
     def observe_step(self, seconds: float, batch: int) -> None:
         self.stage.observe_step(seconds, batch)

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -36,13 +37,13 @@ import numpy as np
 from duplex.v1 import talker_pb2, talker_pb2_grpc
 from services.common import voice_audio, voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
-from services.common.errors import Internal, InvalidArgument, StageError, Unavailable
+from services.common.errors import FailedPrecondition, Internal, InvalidArgument, StageError, Unavailable
 from services.common.link import serve_link
 from services.common.stage_server import StageRpcs, StageRuntime, StageServer, freeze_startup_heap, validate_stream_id
 from services.talker.config import TalkerConfig
 from services.talker.metrics import TalkerMetrics
 from services.talker.clock import ConversationClock
-from services.talker.session import END, Output, Ready, Session
+from services.talker.session import END, Output, PrimeRefused, Ready, Session
 from services.talker.voice_recorder import VoiceRecorder
 from services.common.frame import CARD, CODEBOOKS
 
@@ -132,17 +133,40 @@ def as_stage_error(e: BaseException) -> StageError:
     return Internal(f"talker engine failed: {type(e).__name__}: {e}", kind="engine")
 
 
-def to_response(item: Ready | Output) -> talker_pb2.TalkResponse:
+def to_response(item: Ready | Output | PrimeRefused) -> talker_pb2.TalkResponse:
+    if isinstance(item, PrimeRefused):
+        return talker_pb2.TalkResponse(prime_refused=talker_pb2.TalkPrimeRefused(
+            prime=item.prime, kind=item.kind, details=item.details))
     if isinstance(item, Ready):
         return talker_pb2.TalkResponse(ready=talker_pb2.TalkReady(
             slot=item.slot, prefill_frames=item.prefill_frames, prefill_ms=item.prefill_ms,
-            output_delay_frames=item.output_delay_frames, seed=item.seed))
+            output_delay_frames=item.output_delay_frames, seed=item.seed, prime=item.prime))
     return talker_pb2.TalkResponse(output=talker_pb2.TalkOutput(
         seq=item.seq, input_seq=item.input_seq, text_token=item.text_token, text_piece=item.text_piece,
         agent_codes=item.agent_codes))
 
 
 # ---- the servicer ---------------------------------------------------------------------------
+
+# The longest a held open waits for its prime or first frame before its prompt starts anyway.
+MAX_HOLD_S = 10.0
+REPRIMED = object()  # put in a replaced session's outbox: the stream reads its new session's from here on
+
+
+@dataclass
+class PromptSettings:
+    voice: object  # None, a bundled basename, or (enrolled name, samples) until recorded
+    persona: str
+    sampling: object  # engine SamplingParams
+    seed: int
+
+
+class TalkStream:
+    """What one Talk stream is serving now: its session on the clock, replaced at each prime."""
+
+    def __init__(self, session: Session):
+        self.session = session
+
 
 class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
     def __init__(self, runtime: StageRuntime, clock: ConversationClock, paths: CheckpointPaths, config: TalkerConfig,
@@ -155,31 +179,45 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
         self.text_card = text_card
         self.card = card
 
-    def _parse_open(self, req) -> tuple[str, str | None, str, object, int, bool]:
+    def _parse_open(self, req) -> tuple[str, "PromptSettings"]:
         if req is grpc.aio.EOF or req is None:
             raise InvalidArgument("the stream ended before its open message", kind="no_open")
         if req.WhichOneof("kind") != "open":
             raise InvalidArgument("the first message of a Talk stream must be `open`", kind="no_open")
         o = req.open
         validate_stream_id(o.stream.stream_id)
-        voice = parse_voice(o.voice, o.voice_audio, self.paths, self.config.max_voice_seconds)
-        persona = parse_persona(o.persona, self.config.max_persona_chars)
-        sampling, seed = parse_sampling(o.sampling, self.text_card, self.card)
-        return o.stream.stream_id, voice, persona, sampling, seed, o.early_outputs
+        return o.stream.stream_id, self._parse_prompt(o)
+
+    def _parse_prompt(self, msg) -> "PromptSettings":
+        """A TalkOpen's or TalkPrime's prompt settings, validated (the voice not yet recorded)."""
+        voice = parse_voice(msg.voice, msg.voice_audio, self.paths, self.config.max_voice_seconds)
+        persona = parse_persona(msg.persona, self.config.max_persona_chars)
+        sampling, seed = parse_sampling(msg.sampling, self.text_card, self.card)
+        return PromptSettings(voice, persona, sampling, seed)
 
     async def Talk(self, request_iterator, context):
         async with self.runtime.guard(context):
-            stream_id, voice, persona, sampling, seed, early_outputs = self._parse_open(await context.read())
-            voice = await self._record_voice(voice)
-        handle = session = reader = None
+            stream_id, prompt = self._parse_open(req := await context.read())
+            prompt.voice = await self._record_voice(prompt.voice)
+            o = req.open
+        handle = stream = reader = hold_timer = None
         reason = "error"
         async with self.runtime.guard(context, stream_id):
             try:
+                self.clock.admit()  # RESOURCE_EXHAUSTED prefill_busy, before a slot is taken
                 handle = self.runtime.open_stream(stream_id)
-                session = self.clock.open(stream_id, handle.slot, voice, persona, sampling, seed, early_outputs)
-                reader = asyncio.create_task(self._read_frames(handle, session, context), name=f"talk-read-{stream_id}")
+                hold_s = o.hold_prompt_ms / 1000.0
+                stream = TalkStream(self.clock.open(stream_id, handle.slot, prompt.voice, prompt.persona,
+                                                    prompt.sampling, prompt.seed, o.early_outputs, hold=hold_s > 0))
+                if hold_s > 0:
+                    await context.write(talker_pb2.TalkResponse(held=talker_pb2.TalkHeld(slot=handle.slot)))
+                    hold_timer = asyncio.get_running_loop().call_later(
+                        min(hold_s, MAX_HOLD_S), lambda: self.clock.start_prompt(stream.session, "hold_ended"))
+                reader = asyncio.create_task(self._read_frames(handle, stream, context), name=f"talk-read-{stream_id}")
                 while True:
-                    item = await session.outbox.get()
+                    item = await stream.session.outbox.get()
+                    if item is REPRIMED:
+                        continue  # the stream's session was replaced: read the new one's outbox
                     if item is END:
                         reason = "ok"
                         return
@@ -196,10 +234,12 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
                 reason = "cancelled"
                 raise
             finally:
+                if hold_timer is not None:
+                    hold_timer.cancel()
                 if reader is not None:
                     reader.cancel()
-                if session is not None:
-                    self.clock.close(session)
+                if stream is not None:
+                    self.clock.close(stream.session)
                 if handle is not None:
                     self.runtime.close_stream(handle, reason)
 
@@ -218,29 +258,51 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
     async def TalkLink(self, request_iterator, context):
         await serve_link(self.runtime, context, talker_pb2.TalkLinkResponse, lambda port: self.Talk(None, port))
 
-    async def _read_frames(self, handle, session: Session, context) -> None:
-        """Validate and queue the client's frames; any error ends the stream through the outbox."""
+    async def _read_frames(self, handle, stream: "TalkStream", context) -> None:
+        """Validate and queue the client's frames and primes; any error ends the stream through the outbox."""
         try:
             while True:
                 req = await handle.read(context)
                 if req is None:
-                    self.clock.input_done(session)
+                    self.clock.input_done(stream.session)
                     return
-                if req.WhichOneof("kind") != "frame":
-                    raise InvalidArgument("after `open`, every message of a Talk stream must be a `frame`",
-                                          kind="bad_message")
+                kind = req.WhichOneof("kind")
+                if kind == "prime":
+                    await self._reprime(stream, req.prime)
+                    continue
+                if kind != "frame":
+                    raise InvalidArgument("after `open`, every message of a Talk stream must be a `frame` or a "
+                                          "`prime`", kind="bad_message")
                 handle.seq.check(req.frame.seq)
                 codes = parse_codes(req.frame)
-                self.clock.push(session, req.frame.seq, codes)
+                self.clock.push(stream.session, req.frame.seq, codes)
                 handle.seq.advance()
                 self.runtime.metrics.frames_in.inc()
         except asyncio.CancelledError:
             raise
         except StageError as e:
-            self.clock.fail(session, e)
+            self.clock.fail(stream.session, e)
         except Exception as e:  # a dropped connection surfaces here as an RpcError / aio error
             log.debug("stream %s: reader ended: %r", handle.stream_id, e)
-            self.clock.fail(session, Internal(f"reading the stream failed: {e!r}", kind="read"))
+            self.clock.fail(stream.session, Internal(f"reading the stream failed: {e!r}", kind="read"))
+
+    async def _reprime(self, stream: "TalkStream", msg) -> None:
+        """A prime: the prompt redone in the same slot with new settings (clock.reprime). What the
+        old session's outbox still holds (its Ready at most: no frame was sent) is dropped."""
+        if stream.session.received:  # checked before a voice is recorded for nothing
+            raise FailedPrecondition("a prime must come before the first frame", kind="prime_after_audio")
+        try:
+            prompt = self._parse_prompt(msg)
+            prompt.voice = await self._record_voice(prompt.voice)
+        except InvalidArgument as e:  # the session keeps the prompt it had
+            stream.session.outbox.put_nowait(PrimeRefused(msg.prime, e.kind, str(e)))
+            return
+        old = stream.session
+        stream.session = self.clock.reprime(old, msg.prime, prompt.voice, prompt.persona, prompt.sampling,
+                                            prompt.seed)
+        while not old.outbox.empty():
+            old.outbox.get_nowait()
+        old.outbox.put_nowait(REPRIMED)
 
 
 # ---- the process ---------------------------------------------------------------------------
@@ -290,7 +352,7 @@ class TalkerService:
             self.engine, runtime.pool, tick_s=cfg.tick_ms / 1000.0, max_backlog_frames=cfg.max_backlog_frames,
             prefill_chunk_frames=cfg.prefill_chunk_frames, input_wait_s=cfg.input_wait_ms / 1000.0,
             tick_phase_s=cfg.tick_phase_ms / 1000.0,
-            catch_up_lag_frames=cfg.catch_up_lag_frames, metrics=metrics)
+            catch_up_lag_frames=cfg.catch_up_lag_frames, max_prefill_wait_s=cfg.max_prefill_wait_s, metrics=metrics)
         # On the compute thread, before serving: the CUDA graph capture and the first prefill's
         # allocations (cuBLAS handle and workspace are per thread) happen now, not on a live tick,
         # and a GPU too full for them fails the start instead of the first session.

@@ -14,6 +14,7 @@ class Ready:
     prefill_ms: float
     output_delay_frames: int
     seed: int
+    prime: int = 0  # which prompt went live: 0 the open's, n the n-th prime's (TalkReady.prime)
 
 
 @dataclass
@@ -23,6 +24,15 @@ class Output:
     text_token: int
     text_piece: str
     agent_codes: list[int]
+
+
+@dataclass
+class PrimeRefused:
+    """A prime whose settings the talker refused: the session goes on with the prompt it had."""
+
+    prime: int
+    kind: str
+    details: str
 
 
 END = None  # outbox sentinel: the session ended normally (input closed, all queued frames stepped)
@@ -46,6 +56,9 @@ class Session:
     received: int = 0  # input frames pushed
     held: Output | None = None  # step ahead: output k, computed before input k arrived
     early_outputs: bool = False  # send output k at its step's end, never held (TalkOpen.early_outputs)
+    prime: int = 0  # which prompt this is: 0 the open's, else its TalkPrime.prime (clock.reprime)
+    on_hold: bool = False  # its slot is taken, its prompt not started yet (TalkOpen.hold_prompt_ms)
+    backlog_allowance: int = 0  # frames queued before go-live that the backlog bound does not count
     job: object = None  # engine PrefillJob while prefilling
     live: bool = False  # prefill done, Ready sent: the clock steps it
     closed: bool = False  # no more engine work for it
@@ -61,7 +74,7 @@ class Session:
     @property
     def waiting_for_prompt(self) -> bool:
         """Opened, its prompt not yet in the slot, and still wanted."""
-        return not (self.live or self.ended or self.closed or self.failed)
+        return not (self.on_hold or self.live or self.ended or self.closed or self.failed)
 
     def begin_args(self) -> tuple:
         """engine.begin()'s arguments for this session's prompt."""
