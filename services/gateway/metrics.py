@@ -42,7 +42,7 @@ class GatewayMetrics:
         self.sessions_opened = Counter("gateway_sessions_opened_total", "Sessions admitted", ["protocol"], registry=r)
         self.sessions_refused = Counter("gateway_sessions_refused_total", "Sessions refused at open",
                                         ["protocol", "code"], registry=r)
-        self.frames_in = Counter("gateway_frames_in_total", "Input frames handed to an encoder", registry=r)
+        self.frames_in = Counter("gateway_frames_in_total", "Input frames handed to an encoder (or held for it until the prompt is live)", registry=r)
         self.frames_out = Counter("gateway_frames_out_total", "Output frames sent to clients", registry=r)
         self.frame_latency = Histogram(
             "gateway_frame_latency_seconds", "Input frame to encoder -> its output PCM at the gateway",
@@ -50,6 +50,9 @@ class GatewayMetrics:
         self.errors = Counter("gateway_errors_total", "Errors reported to clients", ["type", "code"], registry=r)
         self.cleanup_unconfirmed = Counter("gateway_cleanup_unconfirmed_total",
                                            "Sessions whose stream ends were not acknowledged in time", registry=r)
+        self.prelive_dropped = Counter("gateway_prelive_frames_dropped_total",
+                                       "Client frames dropped while their session's prompt was not live yet (the "
+                                       "newest relay.PRELIVE_FRAMES are kept)", registry=r)
         self.slow_client_cutoffs = Counter("gateway_slow_client_cutoffs_total", "Clients cut off for not reading",
                                            registry=r)
         recent = "livemostrecent"

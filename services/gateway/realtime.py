@@ -367,4 +367,5 @@ class RealtimeSession(ClientSession):
             self._finish_response(status, error)
         relay = self.relay
         self.emit(session_closed_event(self.session_id, relay.frames_in if relay else 0, self.frames_out,
-                                       self.cleanup_confirmed, relay.latency_summary() if relay else {"frames": 0}))
+                                       self.cleanup_confirmed, relay.latency_summary() if relay else {"frames": 0},
+                                       relay.prelive_dropped if relay else 0))

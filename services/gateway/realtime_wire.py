@@ -482,6 +482,9 @@ def output_deltas(where: dict, pcm: np.ndarray, text: str, legacy: bool) -> tupl
 
 
 def session_closed_event(session_id: str, frames_in: int, frames_out: int, cleanup_confirmed: bool | None,
-                         frame_latency: dict) -> dict:
+                         frame_latency: dict, prelive_frames_dropped: int = 0) -> dict:
+    """frames_in: frames that reached the model; prelive_frames_dropped: frames sent while the prompt was
+    not live yet and dropped (relay.PRELIVE_FRAMES)."""
     return {"type": "session.closed", "session_id": session_id, "frames_in": frames_in, "frames_out": frames_out,
-            "cleanup_confirmed": cleanup_confirmed, "frame_latency": frame_latency}
+            "prelive_frames_dropped": prelive_frames_dropped, "cleanup_confirmed": cleanup_confirmed,
+            "frame_latency": frame_latency}

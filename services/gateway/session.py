@@ -32,7 +32,7 @@ from duplex.v1 import talker_pb2
 from services.gateway import audio
 from services.gateway.admission import admit, release
 from services.gateway.bounded import OutputQueue
-from services.gateway.relay import OpenParams, OutputFrame, Relay, RelayError
+from services.gateway.relay import PRELIVE_FRAMES, OpenParams, OutputFrame, Relay, RelayError
 
 # Client errors logged per session (at INFO); past that they are only counted (a flood is one line).
 LOGGED_CLIENT_ERRORS = 20
@@ -231,8 +231,15 @@ class ClientSession:
         """Validated samples into 1920-sample frames, each handed to the relay (waits while the
         encoder link is full). Raises RelayError when the relay has failed."""
         for frame in self._assembler.push(samples):
+            dropped = self.relay.prelive_dropped
             await self.relay.send_frame(frame)
-            self.ctx.metrics.frames_in.inc()
+            if self.relay.prelive_dropped > dropped:
+                self.ctx.metrics.prelive_dropped.inc()
+                if self.relay.prelive_dropped == 1:
+                    self.log.info("%s %s: audio before the prompt is live: the newest %d frames are kept, older ones "
+                                  "dropped (counted in session.closed)", self.log_tag, self.session_id, PRELIVE_FRAMES)
+            else:
+                self.ctx.metrics.frames_in.inc()
 
     async def flush_audio(self) -> None:
         """At a graceful close: the zero-padded residual goes out as the last frame."""
