@@ -1,6 +1,6 @@
 """The voice-agent frameworks people build on, unmodified, against the real stack (stage processes on
-the tiny checkpoint, the real gateway): LiveKit Agents' openai and nvidia (PersonaPlex) plugins, and a
-pipecat pipeline with a context aggregator.
+the tiny checkpoint, the real gateway): LiveKit Agents' openai and nvidia (PersonaPlex) plugins, a
+pipecat pipeline with a context aggregator, and the OpenAI Agents SDK's RealtimeAgent.
 
 The clients live in their own virtual environment (`make test` builds `.venv-frameworks`): pipecat
 pins protobuf<7 while the runtime's grpcio-tools needs protobuf>=7.35, so they cannot share one.
@@ -201,3 +201,42 @@ def test_pipecat_refused_voice_is_one_error_on_one_connection(stack, speech, del
     errors = [e for e in r["events"] if e["type"] == "error"]
     assert [e["error"]["code"] for e in errors] == ["invalid_voice"] and r["sessions_opened"] == 1, r
     check_events(r["events"])
+
+
+def test_pipecat_persona_update_after_audio_is_answered_and_the_audio_goes_on(stack, speech, delay):
+    """The context's system message differs from the service's instructions, and the microphone streams
+    from the start: pipecat's session.update (its persona) reaches a session already hearing audio. It is
+    answered session.updated with the change under not_in_effect (the primed persona stays), never an
+    error (pipecat stops at any), and the audio goes on."""
+    r = run_client("pipecat_client.py", stack, speech, delay, "--scenario", "persona")
+    counts = check_events(r["events"])
+    assert "error" not in counts and r["errors"] == [] and r["sessions_opened"] == 1, r
+    check_counts(r, delay)
+    # The first response starts with the first accepted audio: what comes after it, came after audio.
+    started = next(i for i, e in enumerate(r["events"]) if e["type"] == "response.created")
+    late = [e["session"] for e in r["events"][started:] if e["type"] == "session.updated"]
+    assert late, "pipecat sent no session.update after the audio started"
+    primed = next(e for e in r["events"] if e["type"] == "session.created")["session"]["instructions"]
+    for session in late:
+        assert session["instructions"] == primed and "primed" in session["not_in_effect"]["instructions"], session
+    assert cancelled_then_continued(r["events"]) and r["received_after_interrupt"] >= 8, r
+
+
+# ---- the OpenAI Agents SDK: a RealtimeAgent with an interrupt -------------------------------------
+
+def test_openai_agents_sdk_streams_interrupts_once_and_goes_on(stack, speech, delay):
+    """session.interrupt() sends conversation.item.truncate and response.cancel (one interruption: one
+    cancelled response, not two) and, on conversation.item.truncated, conversation.item.retrieve (answered
+    with the item); the audio goes on in the next response. The SDK surfaces every server error: none."""
+    r = run_client("openai_agents.py", stack, speech, delay)
+    check_counts(r, delay)
+    counts = check_events(r["events"])
+    assert "error" not in counts and r["errors"] == [] and r["sessions_opened"] == 1, r
+    updated = [e for e in r["events"] if e["type"] == "session.updated"][-1]["session"]
+    assert (updated["instructions"], updated["voice"]) == ("You are a friendly pirate.", "NATM1.pt")  # 'ash', aliased
+    done = [e["response"] for e in r["events"] if e["type"] == "response.done"]
+    assert [d["status"] for d in done] == ["cancelled"], done
+    truncated = next(e for e in r["events"] if e["type"] == "conversation.item.truncated")
+    retrieved = next(e for e in r["events"] if e["type"] == "conversation.item.retrieved")
+    assert retrieved["item"]["id"] == truncated["item_id"] == done[0]["output"][0]["id"]
+    assert cancelled_then_continued(r["events"]) and r["received_after_interrupt"] >= 8, r
