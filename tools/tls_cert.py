@@ -17,6 +17,8 @@ trust, hence the two. EC P-256 keys, SHA-256, subjectAltName for every host, ser
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import ipaddress
 import os
 import shutil
@@ -97,6 +99,19 @@ def ensure_local_tls(folder: Path, hosts: Sequence[str] = DEFAULT_HOSTS) -> Loca
         except RuntimeError:
             pass  # expires soon (or unreadable): make new ones
     return make_local_tls(folder, hosts)
+
+
+def spki_sha256(cert: Path) -> str:
+    """Base64 SHA-256 of the certificate's public key: what Chromium's --ignore-certificate-errors-spki-list
+    takes, to trust one certificate in a throwaway profile."""
+    exe = shutil.which("openssl")
+    if exe is None:
+        raise RuntimeError("the openssl command is needed (apt-get install openssl)")
+    pem = subprocess.run([exe, "x509", "-pubkey", "-noout", "-in", str(cert)], capture_output=True, check=True,
+                         timeout=30).stdout
+    der = subprocess.run([exe, "pkey", "-pubin", "-outform", "der"], input=pem, capture_output=True, check=True,
+                         timeout=30).stdout
+    return base64.b64encode(hashlib.sha256(der).digest()).decode()
 
 
 def trust_hint(tls: LocalTls) -> str:
