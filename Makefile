@@ -8,6 +8,8 @@ RUNTIME := $(VENV)/.runtime-installed
 TESTDEP := $(VENV)/.test-installed
 FWVENV  ?= .venv-frameworks
 FWDEP   := $(FWVENV)/.installed
+NODECLI := tests/frameworks/node
+NODEDEP := $(NODECLI)/node_modules/.installed
 STUBS   := duplex/v1/talker_pb2_grpc.py
 PROTOS  := $(wildcard protos/duplex/v1/*.proto)
 
@@ -16,12 +18,12 @@ ARGS    ?=
 # Options for pytest, e.g. `make test PYTEST_ARGS="-k mimi -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint setup setup-test setup-frameworks stubs checkpoint clean
+.PHONY: run test lint setup setup-test setup-frameworks setup-node-clients stubs checkpoint clean
 
 run: setup stubs
 	$(PY) -m tools.run_stack $(ARGS)
 
-test: setup-test lint setup-frameworks stubs
+test: setup-test lint setup-frameworks setup-node-clients stubs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff with pyproject's [tool.ruff] (120 columns, pycodestyle + pyflakes); any finding fails the build.
@@ -31,6 +33,7 @@ lint: setup-test
 setup: $(RUNTIME)
 setup-test: $(TESTDEP)
 setup-frameworks: $(FWDEP)
+setup-node-clients: $(NODEDEP)
 
 # CPU machines install the local torch 2.13.0 build first (a range would pull a
 # multi-GB CUDA build); the GPU image's own torch is used there instead.
@@ -55,6 +58,12 @@ $(FWDEP): pyproject.toml
 	$(FWVENV)/bin/python -m pip install -q --upgrade pip
 	python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['personaplex']['framework-test-clients']))" > $(FWVENV)/requirements.txt
 	$(FWVENV)/bin/python -m pip install -q -r $(FWVENV)/requirements.txt
+	touch $@
+
+# Test-only: the Node.js openai SDK that tests/test_frameworks.py drives over wss, at the versions
+# tests/frameworks/node/package-lock.json pins, from the npm registry into its git-ignored node_modules.
+$(NODEDEP): $(NODECLI)/package.json $(NODECLI)/package-lock.json
+	cd $(NODECLI) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 # gRPC stubs are generated from protos/ at install time, never committed.

@@ -21,11 +21,13 @@ import math
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import threading
 import time
 import urllib.request
 import wave
+from contextlib import contextmanager
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,6 +36,7 @@ import numpy as np
 import pytest
 
 from tools.run_stack import GatewayProcess, Stack
+from tools.tls_cert import make_local_tls, spki_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
@@ -129,6 +132,13 @@ def static_server():
 
 @pytest.fixture
 def page(tmp_path):
+    with launched(tmp_path) as page:
+        yield page
+
+
+@contextmanager
+def launched(tmp_path, extra_flags: tuple[str, ...] = ()):
+    """A fresh headless Chromium with the fake microphone; yields its page."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -142,6 +152,7 @@ def page(tmp_path):
         f"--use-file-for-fake-audio-capture={mic}",
         # A name for 127.0.0.1 that is not a secure origin (localhost and 127.0.0.1 are).
         f"--host-resolver-rules=MAP {INSECURE_HOST} 127.0.0.1",
+        *extra_flags,
     ]
     with sync_playwright() as pw:
         # A persistent context is how Playwright takes a --user-data-dir: a fresh one per test.
@@ -313,6 +324,35 @@ def test_the_page_talks_to_a_gateway_with_an_api_key(stack, page):
         wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 15, "the session to close")
         # The browser logs each refused client-secret request (the two tries without a good key), nothing else.
         assert [p for p in page.problems if "status of 401" not in p] == [] and len(page.problems) == 2, page.problems
+    finally:
+        gw.stop()
+
+
+@pytest.mark.timeout(900)
+def test_the_page_talks_over_https_from_another_machines_name(stack, tmp_path):
+    """Served by a gateway with --tls-cert/--tls-key under a name that is not this machine's (the
+    microphone needs a secure page anywhere but localhost): the page is a secure context, talks over
+    wss, plays the model's audio and closes cleanly. The certificate is made now, for that name, and
+    trusted by this one browser profile only."""
+    tls = make_local_tls(tmp_path / "tls", (INSECURE_HOST, "127.0.0.1"))
+    gw = GatewayProcess(stack.cell_procs[0].spec, tls=tls, args=["--stall-timeout", "30", "--open-timeout", "120",
+                                                                 "--cleanup-timeout", "20"]).start()
+    try:
+        with launched(tmp_path, (f"--ignore-certificate-errors-spki-list={spki_sha256(tls.cert)}",)) as page:
+            page.goto(f"https://{INSECURE_HOST}:{gw.port}/")
+            assert page.evaluate("window.isSecureContext && location.protocol") == "https:"
+            page.fill("#persona", "You like browsers.")
+            page.click("#talk")
+            wait_for(page, "document.getElementById('state').dataset.state === 'live'", 60, "the session to open")
+            wait_for(page, "Number(document.getElementById('played-frames').textContent) >= 5"
+                           " && Number(document.getElementById('model-level').dataset.peak) > 0", 60,
+                     "5 frames played, not silent")
+            trust = ssl.create_default_context(cafile=tls.ca)
+            scrape = urllib.request.urlopen(gw.http_url + "/metrics", timeout=5, context=trust).read().decode()
+            assert 'gateway_sessions_active{protocol="realtime"} 1.0' in scrape  # its audio came over wss
+            page.click("#stop")
+            wait_for(page, "document.getElementById('state').dataset.state === 'closed'", 30, "the session to close")
+            assert page.is_hidden("#error") and page.problems == [], page.problems
     finally:
         gw.stop()
 

@@ -524,6 +524,50 @@ async def test_a_vllm_omni_driver_names_its_session_in_session_update(stack):
     assert closed["session_id"] == "omni-driver-1"
 
 
+async def test_mid_call_persona_update_retrieve_and_one_interruption_in_two_events(stack):
+    """After audio: a session.update with another persona and voice is answered session.updated (the
+    primed ones stay, the change listed under not_in_effect), never an error, and audio goes on;
+    conversation.item.retrieve answers the item, or OpenAI's typed error for an unknown one; a
+    truncate followed by an id-less cancel (the Agents SDK's interrupt) ends one response, not two."""
+    rt = await RT.connect(stack.gateway.ws_url)
+    await rt.open(voice="NATF2.pt", instructions="You are a pirate.")
+    await rt.until("session.updated")
+    feed = asyncio.create_task(paced(rt, tone(60)))
+    try:
+        await rt.wait_frames(3)
+        await rt.send({"type": "session.update", "session": {"type": "realtime", "instructions": "You are a robot.",
+                                                             "audio": {"output": {"voice": "NATM1.pt"}}}})
+        updated = (await rt.until("session.updated"))["session"]
+        assert (updated["instructions"], updated["voice"]) == ("You are a pirate.", "NATF2.pt")
+        assert {"instructions", "voice"} <= set(updated["not_in_effect"]), updated["not_in_effect"]
+        frames = await rt.wait_frames(rt.frames + 3)
+        item = rt.of("response.output_audio.delta")[-1]["item_id"]
+        await rt.send({"type": "conversation.item.retrieve", "item_id": item})
+        retrieved = await rt.until("conversation.item.retrieved")
+        assert retrieved["item"]["id"] == item and retrieved["item"]["role"] == "assistant"
+        await rt.send({"type": "conversation.item.retrieve", "item_id": "item_nope", "event_id": "ev_r"})
+        while (error := await rt.recv())["type"] != "error":
+            pass
+        error = error["error"]
+        assert (error["type"], error["code"], error["param"], error["event_id"]) == (
+            "invalid_request_error", "item_retrieve_invalid_item_id", "item_id", "ev_r")
+        # One interruption, two events, sent back to back.
+        first = rt.of("response.created")[0]["response"]["id"]
+        await rt.send({"type": "conversation.item.truncate", "item_id": item, "content_index": 0,
+                       "audio_end_ms": 80})
+        await rt.send({"type": "response.cancel"})
+        await rt.until("conversation.item.truncated")
+        second = (await rt.until("response.created"))["response"]["id"]
+        await rt.wait_frames(rt.frames + 6)
+        done = rt.of("response.done")
+        assert [(d["response"]["id"], d["response"]["status"]) for d in done] == [(first, "cancelled")], done
+        assert second in {d["response_id"] for d in rt.of("response.output_audio.delta")[frames:]}
+    finally:
+        await feed
+    await rt.close()
+    assert [e["error"]["code"] for e in rt.of("error")] == ["item_retrieve_invalid_item_id"]
+
+
 async def test_zz_draining_cell_gets_no_new_session(stack):
     """Last in this module: it drains the cell's encoder (for good)."""
     from duplex.v1 import common_pb2, encoder_pb2_grpc

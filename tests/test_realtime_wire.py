@@ -11,8 +11,8 @@ import pytest
 from services.gateway import audio
 from services.gateway.realtime_wire import (
     GA_NAMES, LEGACY_NAMES, MAX_EVENT_ID_CHARS, ClientError, SessionSettings, append_operation_id,
-    check_update_after_audio, client_event_id, decode_append, error_event, output_deltas, parse_connect_query,
-    parse_item_create, refusal, response_metadata, session_object, truncate_end_ms)
+    client_event_id, decode_append, error_event, output_deltas, parse_connect_query, parse_item_create,
+    parse_session_update, refusal, response_metadata, session_object, settle_update_after_audio, truncate_end_ms)
 
 DEFAULT = SessionSettings(voice="", instructions="hello")
 
@@ -87,13 +87,45 @@ def test_operation_ids_are_short_strings():
         assert refused(append_operation_id, {"operation_id": bad}).param == "operation_id"
 
 
-def test_after_audio_only_settings_that_do_not_reach_the_talker_may_change():
-    check_update_after_audio(DEFAULT, SessionSettings(voice="", instructions="hello", not_in_effect=(("x", "y"),)))
-    for changed in (SessionSettings(voice="NATF2.pt", instructions="hello"),
-                    SessionSettings(voice="", instructions="hello", input_format=audio.PCM_F32LE),
-                    SessionSettings(voice="", instructions="hello", legacy_event_names=True),
-                    SessionSettings(voice="", instructions="hello", seed=3)):
-        assert refused(check_update_after_audio, DEFAULT, changed).code == "session_locked"
+PRIMED = SessionSettings(voice="NATF2.pt", instructions="You are a pirate.")
+
+
+def after_audio(session: dict, current: SessionSettings = PRIMED) -> SessionSettings:
+    return settle_update_after_audio(session, current, parse_session_update(session, current, 4000))
+
+
+def test_after_audio_a_new_persona_or_voice_is_answered_not_in_effect_and_the_primed_one_stays():
+    settled = after_audio({"instructions": "You are a robot.", "audio": {"output": {"voice": "NATM1.pt"}},
+                           "extra_body": {"seed": 3, "greedy": True}, "tools": []})
+    assert (settled.voice, settled.instructions, settled.seed, settled.greedy) == ("NATF2.pt", "You are a pirate.", 0,
+                                                                                  False)
+    notes = dict(settled.not_in_effect)
+    assert set(notes) == {"voice", "instructions", "extra_body.seed", "extra_body.greedy"}
+    assert "primed" in notes["instructions"]
+    shown = session_object("s", "m", settled, {})
+    assert shown["instructions"] == "You are a pirate." and shown["not_in_effect"]["voice"] == notes["voice"]
+    # A later update that does not name them keeps the notes; naming what is in effect clears one.
+    later = after_audio({"tracing": None}, settled)
+    assert dict(later.not_in_effect) == notes
+    cleared = after_audio({"instructions": "You are a pirate.", "voice": "NATF2"}, later)
+    assert set(dict(cleared.not_in_effect)) == {"extra_body.seed", "extra_body.greedy"}
+
+
+def test_after_audio_the_same_settings_change_nothing_and_harmless_ones_are_noted_as_before():
+    settled = after_audio({"type": "realtime", "instructions": "You are a pirate.", "voice": "NATF2.pt",
+                           "turn_detection": {"type": "server_vad"}})
+    assert settled.runtime_key() == PRIMED.runtime_key()
+    assert dict(settled.not_in_effect) == {"turn_detection": dict(parse_session_update(
+        {"turn_detection": {"type": "server_vad"}}, PRIMED, 4000).not_in_effect)["turn_detection"]}
+
+
+def test_after_audio_the_wire_shape_is_refused_with_a_typed_error():
+    assert refused(after_audio, {"input_audio_format": audio.PCM_F32LE}).param == "session.input_audio_format"
+    e = refused(after_audio, {"extra_body": {"legacy_event_names": True}})
+    assert (e.code, e.param) == ("session_locked", "session.extra_body.legacy_event_names")
+    # What is refused before audio is refused after it too, as one typed error.
+    assert refused(after_audio, {"voice": "../x"}).code == "invalid_voice"
+    assert refused(after_audio, {"tools": [{"type": "function"}]}).code == "unsupported_feature"
 
 
 def test_item_create_validates_the_message_and_normalizes_its_parts():

@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -28,9 +29,11 @@ from pathlib import Path
 from services.common.config import load_config, option
 from services.common.stage_server import ADMIN_TOKEN_ENV
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, free_port
+from tools.tls_cert import LocalTls, ensure_local_tls, trust_hint
 
 
 ENV_PREFIX = "RUN_STACK_"  # every option also reads RUN_STACK_<OPTION> (services/common/config.py)
+TLS_DIR = REPO_ROOT / ".cache" / "tls"  # git-ignored
 
 
 @dataclass
@@ -48,24 +51,27 @@ class CellProcs:
 
 
 class GatewayProcess:
-    """`python -m services.gateway` as a subprocess; ready when /health says 200."""
+    """`python -m services.gateway` as a subprocess; ready when /health says 200. With `tls`, https and
+    wss (its URLs say so, and its own health checks trust `tls.ca`)."""
 
     def __init__(self, cells: str, port: int = 0, host: str = "127.0.0.1", args: list[str] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, tls: LocalTls | None = None):
         self.host, self.port = host, port or free_port(host)
+        self.tls = tls
+        tls_args = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)] if tls else []
         self.cmd = [sys.executable, "-m", "services.gateway", "--host", host, "--port", str(self.port),
-                    "--cells", cells, *args]
+                    "--cells", cells, *tls_args, *args]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile(mode="w+", prefix="gateway-", suffix=".log")
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/realtime?duplex=1"
+        return f"{'wss' if self.tls else 'ws'}://{self.host}:{self.port}/v1/realtime?duplex=1"
 
     def log_tail(self, chars: int = 6000) -> str:
         self._log.flush()
@@ -74,7 +80,8 @@ class GatewayProcess:
 
     def health(self) -> tuple[int, dict] | None:
         try:
-            with urllib.request.urlopen(self.http_url + "/health", timeout=1.0) as r:
+            trust = ssl.create_default_context(cafile=self.tls.ca) if self.tls else None
+            with urllib.request.urlopen(self.http_url + "/health", timeout=1.0, context=trust) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
@@ -119,6 +126,7 @@ class Stack:
     gateway_args: list[str] = field(default_factory=list)
     gateway_env: dict = field(default_factory=dict)
     gateway_workers: str = "1"  # gateway worker processes on its one port: N or "auto"
+    tls: LocalTls | None = None  # https and wss on the gateway's port
     progress: callable = lambda msg: None
     # The stages' Drain token (their DUPLEX_ADMIN_TOKEN): the operator's, else a fresh one per stack.
     admin_token: str = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16))
@@ -149,7 +157,7 @@ class Stack:
                     self.progress(f"cell {i}: {stage} serving on {proc.address} ({time.monotonic() - t0:.1f}s)")
             self.progress("starting gateway ...")
             spec = ";".join(c.spec for c in self.cell_procs)
-            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, env=self.gateway_env,
+            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, env=self.gateway_env, tls=self.tls,
                                           args=["--workers", str(self.gateway_workers), *self.gateway_args])
             self.gateway.start()
             self.progress(f"gateway healthy on {self.gateway.http_url}")
@@ -187,6 +195,8 @@ class StackOptions:
     talker_tick_ms: float | None = option(None, help="talker clock period (default: the talker's, 80)")
     gateway_workers: str = option("1", help="gateway processes on its port: N or 'auto'")
     gateway_args: str = option("", help="extra gateway flags, e.g. '--stall-timeout 10'")
+    tls: bool = option(False, help="https and wss, with a certificate for localhost from a local CA made under "
+                                   f"{TLS_DIR.relative_to(REPO_ROOT)} (tools/tls_cert.py, openssl)")
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.cells < 1:
@@ -204,8 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         say("preparing the embedded tiny checkpoint ...")
         ckpt = ensure_checkpoint("tiny", seed=0)
     talker_args = ["--tick-ms", str(a.talker_tick_ms)] if a.talker_tick_ms else []
+    tls = None
+    if a.tls:
+        hosts = list(dict.fromkeys(["localhost", "127.0.0.1", "::1", a.host]))
+        tls = ensure_local_tls(TLS_DIR, hosts)
+        say(f"TLS: {tls.cert} for {', '.join(hosts)}")
     stack = Stack(ckpt, sessions=a.sessions, cells=a.cells, device=a.device, port=a.port, host=a.host, progress=say,
-                  talker_args=talker_args, gateway_workers=a.gateway_workers, gateway_args=a.gateway_args.split())
+                  talker_args=talker_args, gateway_workers=a.gateway_workers, gateway_args=a.gateway_args.split(),
+                  tls=tls)
     stopping = False
 
     def on_signal(signum, frame):
@@ -217,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         g = stack.gateway
         voices = sorted(x.name for x in (ckpt / "voices").glob("*.pt")) if (ckpt / "voices").is_dir() else []
+        chat = f"{g.ws_url.split('/v1/')[0]}/api/chat?voice_prompt={voices[0] if voices else 'NATF2.pt'}"
         print(
             f"""
 PersonaPlex stack is up ({a.cells} cell(s), {a.sessions} session(s) each, {a.gateway_workers} gateway worker(s),
@@ -224,14 +241,14 @@ checkpoint {ckpt}).
 
   browser page:   {g.http_url}/
   Realtime wire:  {g.ws_url}
-  native chat:    ws://{a.host}:{g.port}/api/chat?voice_prompt={voices[0] if voices else 'NATF2.pt'}&text_prompt=Hello
+  native chat:    {chat}&text_prompt=Hello
   health/metrics: {g.http_url}/health   {g.http_url}/metrics
   voices:         {', '.join(voices) or 'none'}
   stage Drain:    'authorization: Bearer ${ADMIN_TOKEN_ENV}' ({"yours" if os.environ.get(ADMIN_TOKEN_ENV) else
                    f"not set: a fresh secret; set {ADMIN_TOKEN_ENV} before starting to drain by hand"})
 
   client:         {sys.executable} -m tools.client --url '{g.ws_url}' --input in.wav --output out.wav
-
+{chr(10) + trust_hint(tls) + chr(10) if tls else ""}
 Ctrl-C stops everything.""",
             flush=True,
         )

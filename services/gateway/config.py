@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from services.common.config import load_config, option
+from services.gateway import tls
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API_KEY_ENV = "PERSONAPLEX_GATEWAY_API_KEY"
@@ -189,6 +190,9 @@ class GatewayConfig:
                                               help="seconds a WebSocket may stay open without a session (0 = no bound)")
     idle_session_timeout_s: float = option(30.0, aliases=("--idle-session-timeout",),
                                            help="seconds a session may go without audio (0 = no bound)")
+    # https and wss on the same port (services/gateway/tls.py); both or neither.
+    tls_cert: str = option("", help="PEM certificate chain for https/wss on --port (with --tls-key; '' = plain)")
+    tls_key: str = option("", help="PEM private key of --tls-cert")
     static_dir: Path = option(STATIC_DIR, help="the browser page's files")
     # Voice enrollment (services/gateway/voices.py).
     voice_upload: bool = option(False, help="enable PUT/DELETE /v1/voices/NAME (needs the API key)")
@@ -214,6 +218,10 @@ class GatewayConfig:
                      "max_packet_samples", "max_instructions_chars", "voice_upload_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("give both --tls-cert and --tls-key, or neither")
+        if self.tls_cert:
+            tls.server_context(self.tls_cert, self.tls_key)  # refuses unreadable or mismatched files at start
         if self.voice_upload and not self.api_key:
             raise ValueError(f"--voice-upload needs an API key: set {self.api_key_env}")
 

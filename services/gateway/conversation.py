@@ -176,6 +176,10 @@ class Conversation:
                  "previous_item_id": previous, "item": self._item_object(item)}
         return [added] if self.legacy else [added, {"type": "conversation.item.done", "item": self._item_object(item)}]
 
+    def retrieved(self, item_id: str) -> dict:
+        """An item as it stands now (an assistant item in progress has its content once it ends)."""
+        return {"type": "conversation.item.retrieved", "item": self._item_object(self.items[item_id])}
+
     def delete(self, item_id: str) -> dict:
         del self.items[item_id]
         return {"type": "conversation.item.deleted", "item_id": item_id}

@@ -36,14 +36,21 @@ from services.gateway.admission import RETRY_LATER
 from services.gateway.bounded import RecentIds, brief
 from services.gateway.conversation import Conversation
 from services.gateway.realtime_wire import (
-    MAX_OPERATION_ID_CHARS, ClientError, SessionSettings, append_operation_id, capabilities, check_update_after_audio,
-    client_event_id, decode_append, error_event, heartbeat_ack, output_deltas, parse_connect_query, parse_event,
+    MAX_OPERATION_ID_CHARS, ClientError, SessionSettings, append_operation_id, capabilities, client_event_id,
+    decode_append, error_event, heartbeat_ack, output_deltas, parse_connect_query, parse_event,
     parse_item_create, parse_session_update, refusal, response_metadata, session_closed_event, session_object,
-    truncate_end_ms)
+    settle_update_after_audio, truncate_end_ms)
 from services.gateway.relay import OutputFrame, Relay, RelayError
 from services.gateway.session import ClientSession
 
 REPRIME_WINDOW_S = 10.0  # the window of GatewayConfig.max_reprimes_per_10s
+
+
+# One interruption, two events: the Agents SDK sends conversation.item.truncate and then a
+# response.cancel that names no response. The truncate ended the playing response; the cancel means
+# that one, not the response the truncate started, as long as that has carried at most this many
+# frames (less than the client could have heard before it sent the cancel).
+BARGE_IN_GRACE_FRAMES = 1
 
 
 class RealtimeSession(ClientSession):
@@ -62,6 +69,7 @@ class RealtimeSession(ClientSession):
         self.recent_ops = RecentIds(max_len=MAX_OPERATION_ID_CHARS)
         self.conv: Conversation | None = None  # from the first accepted audio on
         self._next_metadata: dict | None = None  # a response.create's metadata, for the first response
+        self._after_barge_in: str | None = None  # the response a barge-in started (see _on_cancel)
         self._seq = 0  # server_event_seq of the last event sent
         # session.updates before audio not yet answered, (the prime whose prompt answers it, event_id)
         self._waiting: list[tuple[int, str | None]] = []
@@ -78,6 +86,7 @@ class RealtimeSession(ClientSession):
             "conversation.item.truncate": self._on_truncate,
             "conversation.item.create": self._on_item_create,
             "conversation.item.delete": self._on_item_delete,
+            "conversation.item.retrieve": self._on_item_retrieve,
             # Input is continuous and the response never stops: a turn's commit and a new
             # response's create have nothing to do (SDKs send them in client-side turn mode).
             "input_audio_buffer.commit": self._on_no_op,
@@ -170,11 +179,12 @@ class RealtimeSession(ClientSession):
             await self._open(new, event_id)
             return
         if self.audio_started:
-            check_update_after_audio(self.settings, new)
-        elif new.runtime_key() != self.settings.runtime_key():
+            self._settle_after_audio(event["session"], new)
+            return
+        if new.runtime_key() != self.settings.runtime_key():
             self._waiting.append((await self._reprime(new), event_id))  # answered once its prompt is live
             return
-        elif not self.relay.live:
+        if not self.relay.live:
             self.settings = new
             self._waiting.append((self.relay.primes, event_id))
             return
@@ -199,6 +209,16 @@ class RealtimeSession(ClientSession):
         n = self.relay.prime(voice, new.instructions, new.sampling(), voice_audio)
         self._prime_settings[n] = self.settings = new
         return n
+
+    def _settle_after_audio(self, session: dict, new: SessionSettings) -> None:
+        """The model has been primed: persona and voice stay; what was asked and is not in effect is listed."""
+        settled = settle_update_after_audio(session, self.settings, new)
+        noted = sorted(set(settled.not_in_effect) - set(self.settings.not_in_effect))
+        if noted:
+            self.log.info("session %s: session.update after audio: %s not in effect", self.session_id,
+                          ", ".join(key for key, _ in noted))
+        self.settings = settled
+        self.emit({"type": "session.updated", "session": self._session_object()})
 
     def on_prompt_live(self) -> None:
         """The latest prompt is in the slot: each session.update that waited for it is answered now
@@ -272,11 +292,17 @@ class RealtimeSession(ClientSession):
                       self.conv.current.id, dropped)
         self._finish_response("cancelled")
         self._start_response()
+        self._after_barge_in = self.conv.current.id
 
     async def _on_cancel(self, event: dict) -> None:
         wanted = event.get("response_id")
         if self.conv is None or self.closing or (wanted is not None and wanted != self.conv.current.id):
             self.log.info("session %s: response.cancel with no such response in progress: nothing to do",
+                          self.session_id)
+            return
+        current = self.conv.current
+        if wanted is None and current.id == self._after_barge_in and current.item.frames <= BARGE_IN_GRACE_FRAMES:
+            self.log.info("session %s: response.cancel right after a barge-in: that response has ended already",
                           self.session_id)
             return
         self._barge_in("response.cancel")
@@ -292,6 +318,13 @@ class RealtimeSession(ClientSession):
         self.emit(self.conv.truncate(item_id, end_ms))
         if not self.closing and item_id == self.conv.current.item.id:
             self._barge_in("conversation.item.truncate")
+
+    async def _on_item_retrieve(self, event: dict) -> None:
+        item_id = event.get("item_id")
+        if self.conv is None or not self.conv.has(item_id):
+            raise ClientError("item_retrieve_invalid_item_id",  # OpenAI's code, which SDKs match
+                              f"Error retrieving item: the item with id {brief(item_id)} does not exist.", "item_id")
+        self.emit(self.conv.retrieved(item_id))
 
     async def _on_response_create(self, event: dict) -> None:
         if self.conv is None and (metadata := response_metadata(event)) is not None:

@@ -8,6 +8,7 @@ value with one typed `ClientError` (the `error` event's code, message and param)
     parse_event             one text message -> an event dict
     client_event_id         the event_id an error echoes
     parse_session_update    a `session` object -> SessionSettings (lenient where harmless)
+    settle_update_after_audio   the same once audio has started: what is primed stays, changes are noted
     append_operation_id, decode_append      an input_audio_buffer.append, validated whole
     truncate_end_ms, parse_item_create, response_metadata     the other client events' fields
     session_object, capabilities, error_event, output_deltas, session_closed_event   server events
@@ -346,12 +347,38 @@ def refusal(event_type: str) -> ClientError:
     return ClientError("unknown_event", f"unknown event type {brief(event_type)}", "type")
 
 
-def check_update_after_audio(old: SessionSettings, new: SessionSettings) -> None:
-    """Once audio has been appended, what the talker was opened with and the wire's shape are fixed."""
-    if (new.runtime_key() != old.runtime_key() or new.input_format != old.input_format
-            or new.legacy_event_names != old.legacy_event_names):
-        raise ClientError("session_locked", "voice, instructions, sampling, audio format and event names are fixed "
-                          "once audio has been appended", "session")
+# Once audio has been appended, the talker has been primed with these; a change waits for a new session.
+_PRIMED_NOTE = ("the model was primed with it before the first audio; it stays for this session (open a new "
+                "session to change it)")
+
+
+def settle_update_after_audio(session: dict, old: SessionSettings, new: SessionSettings) -> SessionSettings:
+    """A session.update once audio has been appended (`new`: what parse_session_update made of `session`).
+
+    What the talker was primed with (voice, instructions, sampling) stays as it is: a change is answered,
+    not refused, and listed in `not_in_effect` with why, so a framework that resends its persona mid-call
+    goes on (pipecat treats any `error` as fatal). The wire's shape is refused with a typed error, since
+    going on would misread the client: the input audio format (its next appends) and the event names.
+    Everything else settles as before audio (parse_session_update's notes)."""
+    if new.input_format != old.input_format:
+        raise ClientError("session_locked", f"the input audio format is {old.input_format!r} once audio has been "
+                          "appended; it cannot change within a session", "session.input_audio_format")
+    if new.legacy_event_names != old.legacy_event_names:
+        raise ClientError("session_locked", "the event names are fixed once audio has been appended",
+                          "session.extra_body.legacy_event_names")
+    notes = dict(new.not_in_effect)
+    body = session.get("extra_body") or {}
+    output = (session.get("audio") or {}).get("output") or {}
+    primed = (("voice", "voice" in session or "voice" in output, new.voice != old.voice),
+              ("instructions", "instructions" in session, new.instructions != old.instructions),
+              ("extra_body.seed", "seed" in body, new.seed != old.seed),
+              ("extra_body.greedy", "greedy" in body, new.greedy != old.greedy))
+    for key, named, changed in primed:
+        if changed:
+            notes[key] = _PRIMED_NOTE
+        elif named:  # asked for what is in effect: an earlier note no longer applies
+            notes.pop(key, None)
+    return replace(old, not_in_effect=tuple(sorted(notes.items())))
 
 
 def append_operation_id(event: dict) -> str | None:

@@ -30,7 +30,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from services.gateway import auth
+from services.gateway import auth, tls
 from services.gateway.admission import Releases
 from services.gateway.cells import CellPool
 from services.gateway.config import GatewayConfig
@@ -84,6 +84,7 @@ class Gateway:
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
         self.voices = Voices(config, self.pool)
         self.releases = Releases()
+        self.tls = tls.server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         self.server: Server | None = None
 
     @property
@@ -107,10 +108,12 @@ class Gateway:
             create_connection=accept_voice_uploads(self.config.voice_upload_bytes),
             # /api/chat opens its session (prompt prefill included) before the upgrade's answer.
             open_timeout=max(10.0, self.config.open_timeout_s + 5.0),
+            ssl=self.tls,
         )
-        log.info("gateway%s listening on http://%s:%d (%d cell(s) configured%s)",
-                 f" worker {self.worker}" if self.config.workers > 1 else "", self.config.host, self.port,
-                 len(self.config.cells), f", DNS {self.config.cells_dns}" if self.config.cells_dns else "")
+        log.info("gateway%s listening on http%s://%s:%d (%d cell(s) configured%s)",
+                 f" worker {self.worker}" if self.config.workers > 1 else "", "s" if self.tls else "",
+                 self.config.host, self.port, len(self.config.cells),
+                 f", DNS {self.config.cells_dns}" if self.config.cells_dns else "")
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -122,7 +122,8 @@ class _Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         host, port = self.sockets[0].getsockname()[:2]
-        log.info("gateway: %d workers on http://%s:%d (one SO_REUSEPORT socket each)", len(self.sockets), host, port)
+        log.info("gateway: %d workers on %s://%s:%d (one SO_REUSEPORT socket each)", len(self.sockets),
+                 "https" if self.config.tls_cert else "http", host, port)
         for i in range(len(self.sockets)):
             self._start(i)
         try:

@@ -7,6 +7,9 @@ pipeline the standard way (broadcast_interruption(), as a turn analyzer does), w
 handling makes the service send input_audio_buffer.clear, response.cancel and
 conversation.item.truncate; a UserStoppedSpeakingFrame then makes it send commit + response.create.
 pipecat treats any server `error` event as fatal, so every one of these must be accepted.
+
+`--scenario persona`: the context carries a system message other than the service's instructions and
+the microphone streams from the start, so pipecat's session.update (its persona) comes after audio.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pipecat.services.openai.realtime import events as rt_events
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
 from pipecat.workers.runner import WorkerRunner
 
+SERVICE_PERSONA = "You enjoy a good conversation."
+CONTEXT_PERSONA = "You are a ship's cook who loves soup."
 RAW_EVENTS: list[dict] = []
 _parse = rt_events.parse_server_event
 
@@ -77,7 +82,10 @@ class SpeechSource(FrameProcessor):
         a, sink = self.a, self.sink
         frames = lambda: sink.samples // fw.FRAME  # noqa: E731
         frames_in_before = fw.metric(a.url, "gateway_frames_in_total")
-        await asyncio.sleep(1.0)  # the session opens (session.update, context items, response.create)
+        if a.scenario != "persona":  # the session opens first (session.update, context items, response.create)
+            await asyncio.sleep(1.0)
+        # else: as a transport does, the microphone streams from the start, and the service's
+        # session.update (its persona) reaches a session that is already hearing audio.
         sent = await fw.paced(fw.frames_of(self.pcm, 0, a.frames_a), self._push_audio)
         await fw.wait_until(lambda: frames() >= sent - a.delay, 30)
         self.out.update(sent_a=sent, received_a=frames(),
@@ -103,10 +111,11 @@ async def main() -> None:
         api_key="unused",
         base_url=a.url.replace("http://", "ws://") + "/v1/realtime",
         settings=OpenAIRealtimeLLMService.Settings(
-            model="personaplex", system_instruction="You enjoy a good conversation.",
+            model="personaplex", system_instruction=SERVICE_PERSONA,
             session_properties=rt_events.SessionProperties(audio=audio)),
     )
-    context = LLMContext([{"role": "user", "content": "Hello there!"}])
+    system = [{"role": "system", "content": CONTEXT_PERSONA}] if a.scenario == "persona" else []
+    context = LLMContext([*system, {"role": "user", "content": "Hello there!"}])
     aggregators = LLMContextAggregatorPair(context)
     sink = Sink()
     source = SpeechSource(pcm, a, sink)
