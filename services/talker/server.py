@@ -169,7 +169,8 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
 
     async def Talk(self, request_iterator, context):
         async with self.runtime.guard(context):
-            stream_id, voice, persona, sampling, seed, early_outputs = self._parse_open(await context.read())
+            stream_id, voice, persona, sampling, seed, early_outputs = self._parse_open(
+                await self.runtime.first_message(context))
             voice = await self._record_voice(voice)
         handle = session = reader = None
         reason = "error"
@@ -283,7 +284,8 @@ class TalkerService:
                  "output delay %d frames)", paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device,
                  cfg.torch_dtype, self.engine.alignment, self.engine.context, self.engine.output_delay_frames)
         runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms),
-                               stream_idle_timeout_s=cfg.stream_idle_timeout_s)
+                               stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+                               first_message_timeout_s=cfg.first_message_timeout_s)
         metrics = TalkerMetrics(runtime.metrics)
         runtime.metrics.track_gpu(cfg.device)
         self.clock = ConversationClock(
