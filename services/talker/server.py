@@ -259,6 +259,7 @@ class TalkerService:
         self.config = config
         self.engine = engine
         self.clock: ConversationClock | None = None
+        self.recorder: VoiceRecorder | None = None
         self.server: StageServer | None = None
 
     async def start(self) -> "TalkerService":
@@ -303,7 +304,8 @@ class TalkerService:
                         "frames from its first frame; what the model says is meaningless", self.engine.context)
             self.engine.bench_full_context = True
         voices = cfg.voices_to_preload
-        recorder = VoiceRecorder(paths, self.engine, self.clock.compute, cfg.voice_cache_path, cfg.max_voice_seconds)
+        recorder = self.recorder = VoiceRecorder(paths, self.engine, self.clock.compute, cfg.voice_cache_path,
+                                                 cfg.max_voice_seconds)
         try:
             for name in voices:
                 await recorder.resolve(name)  # audio voices are recorded (or read from the cache) first
@@ -337,6 +339,8 @@ class TalkerService:
             await self.server.stop(grace=0.5)
         if self.clock is not None:
             await self.clock.stop()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)  # its process, if a recording started one
 
     async def serve_until_signal(self) -> None:
         """The process's life after start(): serve until SIGTERM/SIGINT (then drain), stop the clock."""
@@ -347,3 +351,5 @@ class TalkerService:
         finally:
             if self.clock is not None:
                 await self.clock.stop()
+            if self.recorder is not None:
+                await asyncio.to_thread(self.recorder.close)
