@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.config import load_config, option
+from services.common.stage_gate import LINK_TOKEN_ENV
 from services.common.stage_server import ADMIN_TOKEN_ENV
 from tools.procs import REPO_ROOT, ServiceProcess, ServiceStartError, die_with_parent, free_port
 from tools.tls_cert import LocalTls, ensure_local_tls, trust_hint
@@ -130,6 +131,9 @@ class Stack:
     progress: callable = lambda msg: None
     # The stages' Drain token (their DUPLEX_ADMIN_TOKEN): the operator's, else a fresh one per stack.
     admin_token: str = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16))
+    # The token the stages' session RPCs need and the gateway presents (stage_gate.py): the
+    # operator's DUPLEX_LINK_TOKEN, else none (no check).
+    link_token: str | None = field(default_factory=lambda: os.environ.get(LINK_TOKEN_ENV) or None)
     cell_procs: list[CellProcs] = field(default_factory=list)
     gateway: GatewayProcess | None = None
 
@@ -140,8 +144,9 @@ class Stack:
             for i in range(self.cells):
                 common = ["--checkpoint", str(self.checkpoint), "--slots", str(self.sessions), "--device", self.device]
                 stage_args = {"encoder": self.codec_args, "talker": self.talker_args, "decoder": self.codec_args}
+                env = {ADMIN_TOKEN_ENV: self.admin_token, **self.link_env}
                 procs.append({stage: ServiceProcess(f"services.{stage}", [*common, *extra], host=self.host,
-                                                    ready_timeout=180, env={ADMIN_TOKEN_ENV: self.admin_token})
+                                                    ready_timeout=180, env=env)
                               for stage, extra in stage_args.items()})
             self.cell_procs = [CellProcs(**p) for p in procs]
             self.progress(f"starting {3 * self.cells} stage processes ...")
@@ -157,7 +162,8 @@ class Stack:
                     self.progress(f"cell {i}: {stage} serving on {proc.address} ({time.monotonic() - t0:.1f}s)")
             self.progress("starting gateway ...")
             spec = ";".join(c.spec for c in self.cell_procs)
-            self.gateway = GatewayProcess(spec, port=self.port, host=self.host, env=self.gateway_env, tls=self.tls,
+            self.gateway = GatewayProcess(spec, port=self.port, host=self.host,
+                                          env={**self.link_env, **self.gateway_env}, tls=self.tls,
                                           args=["--workers", str(self.gateway_workers), *self.gateway_args])
             self.gateway.start()
             self.progress(f"gateway healthy on {self.gateway.http_url}")
@@ -165,6 +171,10 @@ class Stack:
             self.stop()
             raise
         return self
+
+    @property
+    def link_env(self) -> dict:
+        return {LINK_TOKEN_ENV: self.link_token} if self.link_token else {}
 
     def stop(self) -> None:
         if self.gateway is not None:

@@ -204,7 +204,7 @@ class CodecStream:
     async def serve(self, context: grpc.aio.ServicerContext) -> None:
         runtime, handle, reason, stream_id = self.runtime, None, "error", "-"
         try:
-            first = await context.read()
+            first = await runtime.first_message(context)
             if first is grpc.aio.EOF:
                 return
             if first.WhichOneof("kind") != "open":
@@ -318,7 +318,8 @@ class CodecService:
     ):
         self.cfg = cfg
         self.codec = codec  # the streamer behind `step` (for tests and debugging), if given
-        self.runtime = StageRuntime(stage, cfg.slots, stream_idle_timeout_s=cfg.stream_idle_timeout_s)
+        self.runtime = StageRuntime(stage, cfg.slots, stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+                                    first_message_timeout_s=cfg.first_message_timeout_s)
         self.runtime.metrics.track_gpu(cfg.device)  # the duplex_stage_gpu_memory_* gauges (CUDA only)
         self.warmup_s: float | None = None
         self.batcher = CodecBatcher(self.runtime, step, reset, in_shape, in_dtype,

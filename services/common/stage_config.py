@@ -11,7 +11,7 @@ from typing import ClassVar, Mapping, Sequence, TypeVar
 
 from services.common.config import load_config, option
 from services.common.process import check_gil_switch_ms
-from services.common.stage_server import STREAM_IDLE_TIMEOUT_S
+from services.common.stage_server import FIRST_MESSAGE_TIMEOUT_S, STREAM_IDLE_TIMEOUT_S
 
 S = TypeVar("S", bound="StageConfig")
 # Each service sets its own ports (the k8s manifests' and the README's: encoder 50051, talker 50052, ...).
@@ -36,6 +36,8 @@ class StageConfig:
     drain_deadline_s: float = option(30.0, help="on SIGTERM, how long live sessions may continue")
     stream_idle_timeout_s: float = option(STREAM_IDLE_TIMEOUT_S, help="a stream that sends nothing this long "
                                                                       "ends (0 = never)")
+    first_message_timeout_s: float = option(FIRST_MESSAGE_TIMEOUT_S, help="an RPC whose first message (a "
+                                            "stream's open, a link's first) is later than this ends (0 = never)")
     # services/common/process.py: why a busy gRPC loop otherwise stalls the compute thread's every torch call.
     gil_switch_ms: float = option(0.2, help="how often CPython makes a thread holding the GIL yield it "
                                             "(CPython's default is 5)")
@@ -47,8 +49,8 @@ class StageConfig:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
-        if self.drain_deadline_s < 0 or self.stream_idle_timeout_s < 0:
-            raise ValueError("drain_deadline_s and stream_idle_timeout_s must be >= 0")
+        if self.drain_deadline_s < 0 or self.stream_idle_timeout_s < 0 or self.first_message_timeout_s < 0:
+            raise ValueError("drain_deadline_s, stream_idle_timeout_s and first_message_timeout_s must be >= 0")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level[:20]!r}")
 

@@ -12,6 +12,13 @@ A stream that sends nothing for `stream_idle_timeout_s` (however it arrives: its
 link) ends with DEADLINE_EXCEEDED (kind "idle") at that read: an idle or forgotten client never
 holds a slot for good. It must exceed the gateway's own no-audio bound.
 
+Before that, every stage RPC's first message (a stream's open, a link's first message) is read
+with `runtime.first_message(context)`: due within `first_message_timeout_s` (DEADLINE_EXCEEDED,
+kind "first_message_timeout"), and at most `max_unopened` RPCs wait for theirs at once (more are
+refused at once: RESOURCE_EXHAUSTED, "too_many_unopened"). A caller that opens RPCs and sends
+nothing holds neither a handler nor a socket's stream for long. A stage carries at most
+`max_links` Link RPCs at once (`runtime.link_slot()`; more: RESOURCE_EXHAUSTED, "too_many_links").
+
     async with runtime.guard(context):        # StageError -> errors metric + gRPC status
         ...
 
@@ -21,7 +28,8 @@ for the generated servicer classes). Drain is an admin RPC: it needs the metadat
 environment variable; with none set, Drain is refused (UNAUTHENTICATED) and SIGTERM is the
 only way to drain. `Drain(cancel=true)` un-drains: admission and health come back.
 
-StageServer: the process around them: a grpc.aio server, standard grpc.health.v1 health (SERVING;
+StageServer: the process around them: a grpc.aio server behind the stage gate (stage_gate.py: the
+link token, link messages counted before they are parsed), standard grpc.health.v1 health (SERVING;
 NOT_SERVING once draining, except the name "liveness", which stays SERVING until exit) and server
 reflection, the Prometheus /metrics endpoint, and SIGTERM/SIGINT = drain (stop admitting, let
 streams run until the deadline, end the rest with UNAVAILABLE, exit). It deliberately sets no
@@ -34,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import os
 import signal
@@ -47,18 +54,26 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from duplex.v1 import common_pb2
-from services.common.errors import (AlreadyExists, FailedPrecondition, IdleTimeout, InvalidArgument, StageError,
-                                    Unauthenticated, Unavailable)
+from services.common.errors import (AlreadyExists, FailedPrecondition, IdleTimeout, InvalidArgument,
+                                    ResourceExhausted, StageError, Unauthenticated, Unavailable)
+from services.common.frame import FRAME_MS
+from services.common.link import LINK_MESSAGE_BYTES
 from services.common.metrics import StageMetrics
 from services.common.sequence import SequenceChecker
 from services.common.slots import SlotPool
-from services.common.frame import FRAME_MS
+from services.common.stage_gate import LINK_TOKEN_ENV, StageGate, has_token
+from services.common.stream_id import MAX_STREAM_ID, validate_stream_id  # noqa: F401 (services import it here)
 
 # A health service name that stays SERVING while draining (for a liveness probe: a draining
 # process is alive and must not be restarted; "" and the stage's own name go NOT_SERVING).
 LIVENESS = "liveness"
-MAX_STREAM_ID = 128
 STREAM_IDLE_TIMEOUT_S = 60.0
+# A caller opens an RPC and sends its first message at once (the gateway's opens, a link's first
+# message): 10 s is slack for a loaded machine, and short enough that RPCs opened and left silent
+# come and go long before MAX_UNOPENED of them add up.
+FIRST_MESSAGE_TIMEOUT_S = 10.0
+MAX_UNOPENED = 256  # RPCs waiting for their first message at once (a full cell's worth of opens, and more)
+MAX_LINKS = 32  # Link RPCs at once: one per gateway worker per cell, with room for restarts
 ADMIN_TOKEN_ENV = "DUPLEX_ADMIN_TOKEN"
 
 
@@ -69,13 +84,6 @@ def freeze_startup_heap() -> None:
     of the thread that runs the clock."""
     gc.collect()
     gc.freeze()
-
-
-def validate_stream_id(stream_id: str) -> None:
-    if not (1 <= len(stream_id) <= MAX_STREAM_ID) or not all(" " <= c <= "~" for c in stream_id):
-        raise InvalidArgument(
-            f"stream id {stream_id[:40]!r} must be 1..{MAX_STREAM_ID} printable ASCII characters", kind="bad_stream_id"
-        )
 
 
 class StreamHandle:
@@ -126,12 +134,20 @@ class StageRuntime:
     """Slots, live streams and the draining flag of one stage service (event loop thread only)."""
 
     def __init__(self, stage: str, slots: int, metrics: StageMetrics | None = None, frame_ms: int = FRAME_MS,
-                 stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S, admin_token: str | None = None):
+                 stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S, admin_token: str | None = None,
+                 first_message_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S, link_token: str | None = None,
+                 max_unopened: int = MAX_UNOPENED, max_links: int = MAX_LINKS):
         self.stage = stage
         self.frame_ms = frame_ms
         self.stream_idle_timeout_s = stream_idle_timeout_s
+        self.first_message_timeout_s = first_message_timeout_s  # 0: no bound
+        self.max_unopened, self.max_links = max_unopened, max_links
+        self.unopened = 0  # RPCs waiting for their first message
+        self.links = 0  # Link RPCs being served
         # The Drain RPC's bearer token (None: Drain is refused); by default from the environment.
         self.admin_token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV) or None
+        # The session RPCs' bearer token (stage_gate.py; None: no check); by default from the environment.
+        self.link_token = link_token if link_token is not None else os.environ.get(LINK_TOKEN_ENV) or None
         self.stopping = False  # a SIGTERM shutdown is under way: it cannot be un-drained
         self.pool = SlotPool(slots)
         self.metrics = metrics or StageMetrics(stage)
@@ -145,6 +161,38 @@ class StageRuntime:
         self._drain_timers: set[asyncio.Task] = set()
 
     # -- streams -----------------------------------------------------------------------------
+
+    async def first_message(self, context: grpc.aio.ServicerContext):
+        """An RPC's first request (grpc.aio.EOF if the caller ended its side first), due within
+        first_message_timeout_s. A link's port has its first entry queued already."""
+        poll = getattr(context, "read_nowait", None)
+        if poll is not None and (req := poll()) is not None:
+            return req
+        if self.unopened >= self.max_unopened:
+            raise ResourceExhausted(f"{self.unopened} RPCs on this {self.stage} wait for their first message "
+                                    f"(at most {self.max_unopened}); send the open with the call",
+                                    kind="too_many_unopened")
+        self.unopened += 1
+        try:
+            return await asyncio.wait_for(context.read(), self.first_message_timeout_s or None)
+        except TimeoutError:
+            raise IdleTimeout(f"no first message within {self.first_message_timeout_s:g}s of the call (the "
+                              f"{self.stage}'s bound): send the open with the call",
+                              kind="first_message_timeout") from None
+        finally:
+            self.unopened -= 1
+
+    @contextlib.contextmanager
+    def link_slot(self):
+        """Held while a Link RPC is served: at most max_links at once (ResourceExhausted beyond)."""
+        if self.links >= self.max_links:
+            raise ResourceExhausted(f"this {self.stage} serves {self.links} links, at most {self.max_links}",
+                                    kind="too_many_links")
+        self.links += 1
+        try:
+            yield
+        finally:
+            self.links -= 1
 
     def open_stream(self, stream_id: str) -> StreamHandle:
         validate_stream_id(stream_id)
@@ -212,9 +260,7 @@ class StageRuntime:
         if not self.admin_token:
             raise Unauthenticated(f"{self.stage}: Drain is disabled (no {ADMIN_TOKEN_ENV} is set); SIGTERM drains",
                                   kind="admin_disabled")
-        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-        scheme, _, token = sent.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.admin_token.encode()):
+        if not has_token(context.invocation_metadata(), self.admin_token):
             raise Unauthenticated(f"{self.stage}: Drain needs 'authorization: Bearer <{ADMIN_TOKEN_ENV}>'",
                                   kind="bad_admin_token")
 
@@ -304,14 +350,15 @@ class StageServer:
 
     async def start(self) -> None:
         # Never set maximum_concurrent_rpcs: health and GetCapacity must answer when the slots are full.
-        self.server = grpc.aio.server(options=[
+        self.server = grpc.aio.server(interceptors=[StageGate(self.runtime)], options=[
             ("grpc.so_reuseport", 0),  # a second service on the same port must fail, not share it
             # Find clients that vanished without closing (a dead peer holds its slot until then).
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            # A link message carries a tick's frames of every session on it (about 1.2 MB at 160).
-            ("grpc.max_receive_message_length", 16 * 2**20),
+            # Refused by gRPC before it is read into Python: a link message's byte bound (link.py),
+            # and a Talk open's with its voice audio (60 s of float32 is 5.8 MB).
+            ("grpc.max_receive_message_length", LINK_MESSAGE_BYTES),
         ])
         self.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

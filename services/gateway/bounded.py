@@ -5,12 +5,15 @@ ids it asked to remember, and any of its values echoed back in an error or a log
     OutputQueue(n, bytes)     messages waiting for one client's socket, bounded in count and bytes;
                               tagged ones can be dropped unsent (a cancelled response's audio)
     RecentIds(n, bytes, len)  the last operation ids seen, O(1) lookup, bounded in count and bytes
+                              (services/common/recent_ids.py, shared with the stages' links)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import deque
+
+from services.common.recent_ids import RecentIds  # noqa: F401 (re-exported: realtime.py and tests import it here)
 
 BRIEF_CHARS = 40
 
@@ -74,30 +77,3 @@ class OutputQueue:
         if msg is not None:
             self.bytes -= len(msg)
         return msg
-
-
-class RecentIds:
-    """The last operation ids seen: membership in O(1), at most `max_items` ids and `max_bytes`
-    characters in all (the oldest are forgotten first). Ids longer than `max_len` are the
-    caller's to refuse before they get here."""
-
-    def __init__(self, max_items: int = 1024, max_bytes: int = 64 * 1024, max_len: int = 128):
-        self.max_items, self.max_bytes, self.max_len = max_items, max_bytes, max_len
-        self.bytes = 0
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def __contains__(self, op: str) -> bool:
-        return op in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def add(self, op: str) -> None:
-        assert len(op) <= self.max_len, "refuse over-long ids before remembering them"
-        if op in self._ids:
-            return
-        self._ids[op] = None
-        self.bytes += len(op)
-        while len(self._ids) > self.max_items or self.bytes > self.max_bytes:
-            old, _ = self._ids.popitem(last=False)
-            self.bytes -= len(old)

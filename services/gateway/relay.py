@@ -52,6 +52,7 @@ import numpy as np
 
 from duplex.v1 import common_pb2, decoder_pb2, encoder_pb2, talker_pb2
 from services.common.errors import parse_retry_hint
+from services.common.stage_gate import link_metadata
 from services.gateway.audio import FRAME_SAMPLES, f32_frame_bytes, f32_from_frame_bytes
 from services.gateway.cells import STAGES, Cell
 
@@ -65,6 +66,7 @@ _LINK_METHODS = {"encoder": "EncodeLink", "talker": "TalkLink", "decoder": "Deco
 _OPEN_ANSWERS = {"encoder": ("opened",), "talker": ("ready", "held"), "decoder": ("opened",)}
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 MESSAGE_BYTES = 1 * 2**20  # one outgoing link message at most this big
+MESSAGE_ENTRIES = 4096  # and with at most this many entries (a stage refuses more than 8192: common.proto)
 # How long a link waits after its first unsent entry before it writes, per stage. Client frames reach
 # the gateway spread over the period, one at a time: without a wait each would be its own message to
 # the encoder (2000 a second at 160 sessions). 5 ms makes that 200 and delays a frame 2.5 ms on
@@ -147,7 +149,7 @@ class StageLink:
         self.cell, self.stage = cell, stage
         self._on_entry, self._on_lost = on_entry, on_lost
         self._request_cls = _LINK_REQUESTS[stage]
-        self._call = getattr(cell.stubs[stage], _LINK_METHODS[stage])()
+        self._call = getattr(cell.stubs[stage], _LINK_METHODS[stage])(metadata=link_metadata())  # stage_gate.py
         self._out: list = []
         self._out_bytes = 0
         self._out_ready = asyncio.Event()
@@ -182,6 +184,7 @@ class StageLink:
 
     async def _write_loop(self) -> None:
         try:
+            await self._write([])  # at once: a stage ends a link whose first message is late (stage_server.py)
             while True:
                 await self._out_ready.wait()
                 await self._gather()
@@ -191,7 +194,7 @@ class StageLink:
                 self._room.set()
                 chunk, size = [], 0
                 for entry, n in entries:
-                    if chunk and size + n > MESSAGE_BYTES:
+                    if chunk and (size + n > MESSAGE_BYTES or len(chunk) == MESSAGE_ENTRIES):
                         await self._write(chunk)
                         chunk, size = [], 0
                     chunk.append(entry)

@@ -197,7 +197,7 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
 
     async def Talk(self, request_iterator, context):
         async with self.runtime.guard(context):
-            stream_id, prompt = self._parse_open(req := await context.read())
+            stream_id, prompt = self._parse_open(req := await self.runtime.first_message(context))
             prompt.voice = await self._record_voice(prompt.voice)
             o = req.open
         handle = stream = reader = hold_timer = None
@@ -320,6 +320,7 @@ class TalkerService:
         self.config = config
         self.engine = engine
         self.clock: ConversationClock | None = None
+        self.recorder: VoiceRecorder | None = None
         self.server: StageServer | None = None
 
     async def start(self) -> "TalkerService":
@@ -345,7 +346,8 @@ class TalkerService:
                  "output delay %d frames)", paths.root, time.perf_counter() - t0, self.engine.num_slots, cfg.device,
                  cfg.torch_dtype, self.engine.alignment, self.engine.context, self.engine.output_delay_frames)
         runtime = StageRuntime("talker", cfg.slots, frame_ms=round(cfg.tick_ms),
-                               stream_idle_timeout_s=cfg.stream_idle_timeout_s)
+                               stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+                               first_message_timeout_s=cfg.first_message_timeout_s)
         metrics = TalkerMetrics(runtime.metrics)
         runtime.metrics.track_gpu(cfg.device)
         self.clock = ConversationClock(
@@ -363,7 +365,8 @@ class TalkerService:
                         "frames from its first frame; what the model says is meaningless", self.engine.context)
             self.engine.bench_full_context = True
         voices = cfg.voices_to_preload
-        recorder = VoiceRecorder(paths, self.engine, self.clock.compute, cfg.voice_cache_path, cfg.max_voice_seconds)
+        recorder = self.recorder = VoiceRecorder(paths, self.engine, self.clock.compute, cfg.voice_cache_path,
+                                                 cfg.max_voice_seconds)
         try:
             for name in voices:
                 await recorder.resolve(name)  # audio voices are recorded (or read from the cache) first
@@ -397,6 +400,8 @@ class TalkerService:
             await self.server.stop(grace=0.5)
         if self.clock is not None:
             await self.clock.stop()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)  # its process, if a recording started one
 
     async def serve_until_signal(self) -> None:
         """The process's life after start(): serve until SIGTERM/SIGINT (then drain), stop the clock."""
@@ -407,3 +412,5 @@ class TalkerService:
         finally:
             if self.clock is not None:
                 await self.clock.stop()
+            if self.recorder is not None:
+                await asyncio.to_thread(self.recorder.close)

@@ -10,8 +10,10 @@ Recording (`record`): the audio prepared by services/common/voice_audio.py (24 k
 frame stepped as a voice-prompt frame by prompt.make_voice. The result is the published `.pt`
 format; it is kept on disk under `cache_dir` (named by a digest of the audio and of the model
 files, so another checkpoint never reads it) and given to the engine, which computes its KV prefix
-once. Mimi's encoder half is loaded on the CPU on first use; the embedding lookup runs on the
-engine's thread (`compute`), so the device is never used from two threads.
+once, in prefill pieces. The Mimi encode runs in a process of its own (voice_encoder.py: it never
+delays a tick); the embedding lookup runs on the engine's thread (`compute`), so the device is
+never used from two threads. Nothing of a recording runs on the event loop: the audio's digest is
+taken on a worker thread (hashlib lets go of the GIL).
 """
 
 from __future__ import annotations
@@ -31,22 +33,10 @@ import torch
 from services.common import voice_audio, voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.talker import prompt
+from services.talker.voice_encoder import VoiceEncoder, voice_codes
 from services.talker.voices import VoicePrompt, load_voice, save_voice
-from services.common.frame import CODEBOOKS as AGENT_CODEBOOKS
 
 log = logging.getLogger("talker.voices")
-
-
-
-@torch.no_grad()
-def encode_frames(mimi, frames: np.ndarray) -> torch.Tensor:
-    """Mimi codes [N, 8] of frames [N, 1920], encoded one by one from a fresh streaming state."""
-    from services.codec.mimi import StreamingEncoder
-
-    enc = StreamingEncoder(mimi, slots=1)
-    active = torch.ones(1, dtype=torch.bool)
-    codes = [enc.step(torch.from_numpy(f)[None], active)[0, :AGENT_CODEBOOKS].cpu() for f in frames]
-    return torch.stack(codes).long()
 
 
 def published(voice: VoicePrompt) -> VoicePrompt:
@@ -55,19 +45,19 @@ def published(voice: VoicePrompt) -> VoicePrompt:
     return VoicePrompt(embeddings=voice.embeddings.to("cpu", torch.bfloat16), cache=voice.cache.cpu())
 
 
-def voice_codes(pcm: np.ndarray, mimi) -> torch.Tensor:
-    """24 kHz audio (first channel, not yet normalised) -> the Mimi codes [N, 8] the reference records."""
-    frames = voice_audio.to_frames(voice_audio.normalize(pcm))
-    if frames.shape[0] < 3:
-        raise voice_audio.InvalidVoiceAudio(f"a voice needs at least 3 frames (240 ms), got {frames.shape[0]}",
-                                            "too_short")
-    return encode_frames(mimi, frames)
-
-
 def record(pcm: np.ndarray, mimi, embed, delays: torch.Tensor, initial: torch.Tensor,
            device: str | torch.device = "cpu") -> VoicePrompt:
     """24 kHz audio (first channel, not yet normalised) -> the voice prompt, as the reference records it."""
     return published(prompt.make_voice(embed, voice_codes(pcm, mimi), delays, initial, device))
+
+
+def audio_digest(pcm: np.ndarray) -> str:
+    return hashlib.sha256(pcm.astype("<f4").tobytes()).hexdigest()
+
+
+def recording_digest(paths: CheckpointPaths, pcm: np.ndarray) -> str:
+    """Names a recording: the same audio (bundled or shipped) and the same model files, the same recording."""
+    return hashlib.sha256(model_digest(paths).encode() + pcm.astype("<f4").tobytes()).hexdigest()[:32]
 
 
 def model_digest(paths: CheckpointPaths) -> str:
@@ -86,7 +76,7 @@ class VoiceRecorder:
         self.paths, self.engine, self.compute = paths, engine, compute
         self.cache_dir = Path(cache_dir)
         self.max_seconds = max_seconds
-        self._mimi = None
+        self.encoder = VoiceEncoder(paths)
         self._bundled: list[tuple[str, float]] | None = None
         self._pending: dict[str, asyncio.Future] = {}  # key -> the recording in flight (one per voice)
 
@@ -120,17 +110,15 @@ class VoiceRecorder:
                 return name
             key = name
             pcm = await asyncio.to_thread(voice_audio.read_audio, path, self.max_seconds)
-            content = pcm.astype("<f4").tobytes()
+            digest = await asyncio.to_thread(recording_digest, self.paths, pcm)
         else:
             if pcm.size > self.max_seconds * voice_audio.SAMPLE_RATE:
                 raise voice_audio.InvalidVoiceAudio(f"voice audio lasts {pcm.size / voice_audio.SAMPLE_RATE:.1f} s, "
                                                     f"at most {self.max_seconds:g} s allowed", "too_long")
-            content = pcm.astype("<f4").tobytes()
-            key = "@" + hashlib.sha256(content).hexdigest()[:24]  # '@': never a bundled or enrolled name
+            key = "@" + (await asyncio.to_thread(audio_digest, pcm))[:24]  # '@': never a bundled or enrolled name
             if self.engine.has_voice(key):
                 return key
-        # the same audio (bundled or shipped) and the same model files: the same recording
-        digest = hashlib.sha256(model_digest(self.paths).encode() + content).hexdigest()[:32]
+            digest = await asyncio.to_thread(recording_digest, self.paths, pcm)
         if key not in self._pending:
             self._pending[key] = asyncio.ensure_future(self._load_or_record(key, digest, pcm))
             self._pending[key].add_done_callback(lambda _f, k=key: self._pending.pop(k, None))
@@ -142,7 +130,7 @@ class VoiceRecorder:
         cfg = self.engine.cfg
         if cached.is_file():
             try:
-                voice = load_voice(cached, cfg.dim, cfg.delays, cfg.text_card, cfg.card)
+                voice = await asyncio.to_thread(load_voice, cached, cfg.dim, cfg.delays, cfg.text_card, cfg.card)
             except InvalidVoice as e:
                 log.warning("recorded voice %s in the cache is unreadable (%s): recording it again", cached.name, e)
                 voice = None
@@ -155,24 +143,16 @@ class VoiceRecorder:
         await self.compute(lambda: self.engine.add_voice(key, voice))
 
     async def _record(self, pcm: np.ndarray) -> VoicePrompt:
-        prepared = await asyncio.to_thread(self._encode, pcm)
+        prepared = await self.encoder.codes(pcm)
         eng = self.engine
         delays, initial = torch.tensor(eng.cfg.delays), prompt.initial_tokens(eng.text_card, eng.card,
                                                                               eng.cfg.num_streams)
         return await self.compute(lambda: published(prompt.make_voice(eng.model.embed, prepared, delays, initial,
                                                                        eng.device)))
 
-    def _encode(self, pcm: np.ndarray) -> torch.Tensor:
-        """Normalise, cut and Mimi-encode on a worker thread (CPU): the Mimi codes [N, 8]."""
-        if self._mimi is None:
-            from services.codec.mimi import MimiConfig, MimiModel
-
-            if not self.paths.mimi.is_file():
-                raise InvalidVoice("this talker cannot record voices from audio: its checkpoint has no Mimi file")
-            section = self.paths.serve_config().get("mimi")
-            cfg = MimiConfig.from_dict(section) if section else MimiConfig.full()
-            self._mimi = MimiModel.load(self.paths.mimi, cfg, device="cpu", keep="encode")
-        return voice_codes(pcm, self._mimi)
+    def close(self) -> None:
+        """Stop the recorder's process (the recordings in flight fail)."""
+        self.encoder.close()
 
     @staticmethod
     def _save(path: Path, voice: VoicePrompt) -> None:
