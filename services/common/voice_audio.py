@@ -6,25 +6,24 @@
 
 Audio only (numpy, sphn, pyloudnorm): the gateway checks uploads with it without any model code;
 the talker (services/talker/voice_recorder.py) and tools/make_voice.py then encode the frames with
-Mimi and record them. Every refusal is InvalidVoiceAudio with a `kind` a client can act on.
+Mimi and record them. Reading and checking are audio_decode.py's (bounded before decoding; a client's
+file is read in a bounded child process, audio_sandbox.py); here every refusal is InvalidVoiceAudio
+with a `kind` a client can act on.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import contextlib
 from pathlib import Path
 
 import numpy as np
-import sphn
 
+from services.common import audio_decode
+from services.common.audio_decode import MAX_CHANNELS, MAX_RATE, MIN_SECONDS, SILENCE_LUFS  # noqa: F401 (re-exported)
 from services.common.checkpoint import InvalidVoice
-from services.common.frame import FRAME_SAMPLES, SAMPLE_RATE
+from services.common.frame import FRAME_SAMPLES, SAMPLE_RATE  # noqa: F401 (SAMPLE_RATE re-exported)
 
 TARGET_LUFS = -24.0
-# BS.1770 gates blocks below -70 LUFS: audio with no block above it has no integrated loudness.
-SILENCE_LUFS = -70.0
-MIN_SECONDS = 0.4  # one 400 ms loudness block; shorter audio has no integrated loudness either
 
 
 class InvalidVoiceAudio(InvalidVoice):
@@ -35,51 +34,36 @@ class InvalidVoiceAudio(InvalidVoice):
         self.kind = kind
 
 
-def read_audio(source: str | Path | bytes, max_seconds: float | None = None) -> np.ndarray:
-    """An audio file (a path, or its bytes) -> float32 [T] at 24 kHz: decoded by sphn, resampled,
-    its first channel. max_seconds bounds the decoded duration (checked before resampling)."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        fd, name = tempfile.mkstemp(prefix="voice-", suffix=".audio")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(source)
-            return read_audio(name, max_seconds)
-        finally:
-            os.unlink(name)
+@contextlib.contextmanager
+def _typed():
     try:
-        pcm, rate = sphn.read(str(source))
-    except Exception as e:  # sphn raises plain exceptions for anything it cannot decode
-        raise InvalidVoiceAudio(f"not an audio file sphn can read ({type(e).__name__})", "not_audio") from None
-    pcm = np.asarray(pcm, dtype=np.float32)
-    if pcm.ndim != 2 or pcm.shape[0] < 1 or pcm.shape[1] == 0 or not rate or rate <= 0:
-        raise InvalidVoiceAudio("the file holds no audio samples", "too_short")
-    if max_seconds is not None and pcm.shape[1] / rate > max_seconds:
-        raise InvalidVoiceAudio(f"the audio lasts {pcm.shape[1] / rate:.1f} s, at most {max_seconds:g} s allowed",
-                                "too_long")
-    if rate != SAMPLE_RATE:
-        pcm = sphn.resample(pcm, src_sample_rate=rate, dst_sample_rate=SAMPLE_RATE)
-    first = np.ascontiguousarray(pcm[0], dtype=np.float32)
-    if not np.isfinite(first).all():
-        raise InvalidVoiceAudio("the audio holds non-finite samples", "not_audio")
-    return first
+        yield
+    except audio_decode.AudioRefused as e:
+        raise InvalidVoiceAudio(str(e), e.kind) from None
+
+
+def read_audio(source: str | Path | bytes, max_seconds: float | None = None) -> np.ndarray:
+    """audio_decode.read_audio: float32 [T] at 24 kHz, its first channel; decoding stops at max_seconds."""
+    with _typed():
+        return audio_decode.read_audio(source, max_seconds)
+
+
+def check_voice(source: str | Path | bytes, min_seconds: float, max_seconds: float) -> np.ndarray:
+    """audio_decode.check_voice: read_audio bounded by max_seconds, at least min_seconds long, audible."""
+    with _typed():
+        return audio_decode.check_voice(source, min_seconds, max_seconds)
 
 
 def loudness(pcm: np.ndarray) -> float:
     """Integrated loudness in LUFS (ITU-R BS.1770 via pyloudnorm); -inf for silence."""
-    import pyloudnorm
-
-    if pcm.size < MIN_SECONDS * SAMPLE_RATE:
-        raise InvalidVoiceAudio(f"the audio lasts {pcm.size / SAMPLE_RATE:.2f} s, at least {MIN_SECONDS} s needed",
-                                "too_short")
-    return float(pyloudnorm.Meter(SAMPLE_RATE).integrated_loudness(pcm))
+    with _typed():
+        return audio_decode.loudness(pcm)
 
 
 def check_audible(pcm: np.ndarray) -> float:
     """The audio's loudness, or InvalidVoiceAudio(silent) if BS.1770 finds nothing to measure."""
-    lufs = loudness(pcm)
-    if not np.isfinite(lufs) or lufs <= SILENCE_LUFS:
-        raise InvalidVoiceAudio("the audio is silent (no 400 ms block above -70 LUFS)", "silent")
-    return lufs
+    with _typed():
+        return audio_decode.check_audible(pcm)
 
 
 def normalize(pcm: np.ndarray) -> np.ndarray:

@@ -167,7 +167,10 @@ class GatewayConfig:
     api_key_env: str = option(API_KEY_ENV, help="environment variable holding the bearer key (unset: no check)")
     api_key: str | None = option(None, settable=False)  # read from api_key_env: a secret stays off command lines
     client_secret_ttl_s: float = option(60.0, aliases=("--client-secret-ttl",), help="seconds a browser's client "
-                                                                                     "secret may open connections")
+                                                                                     "secret may open its connection")
+    client_secret_rate: float = option(10.0, help="client secrets minted per second per key and process, after a "
+                                                  "burst of --client-secret-burst (0 = no limit); more get 429")
+    client_secret_burst: int = option(20, help="client secrets minted at once before --client-secret-rate applies")
     model: str = option("nvidia/personaplex-7b-v1", help="the model name clients see")
     default_voice: str = option("", help="a session's voice when the client names none ('' = the talker's own)")
     voice_aliases: tuple[tuple[str, str], ...] = option(
@@ -184,8 +187,21 @@ class GatewayConfig:
     # With the queue above, what a client that stops reading can hold up is bounded.
     send_buffer_bytes: int = option(256 * 1024, help="kernel send buffer per client socket (0 = the OS default, "
                                                      "which can autotune to MBs)")
+    # A client that does not read at all: its socket is aborted (client_connection.py).
+    send_timeout_s: float = option(10.0, aliases=("--send-timeout",), help="seconds a write (a message, close or "
+                                                                           "ping) may wait for a client that does "
+                                                                           "not read; then the socket is aborted")
+    write_buffer_bytes: int = option(1024 * 1024, help="bytes unsent in one open WebSocket's transport (pongs "
+                                                       "included); past it the socket is aborted")
+    close_timeout_s: float = option(5.0, aliases=("--close-timeout",), help="seconds a client has to close after "
+                                                                            "its close frame or HTTP answer")
+    request_timeout_s: float = option(30.0, aliases=("--request-timeout",), help="seconds a request's head and "
+                                                                                 "body may take to arrive (408)")
+    body_buffer_bytes: int = option(32 * 1024 * 1024, help="bytes of request bodies all connections may hold at "
+                                                           "once; more get 503")
     # Each idle one holds buffers, not slots.
-    max_connections: int = option(2048, help="open WebSockets per gateway process; more get HTTP 503")
+    max_connections: int = option(2048, help="open WebSockets per gateway process (counted until the socket is "
+                                             "gone); more get HTTP 503")
     idle_connection_timeout_s: float = option(30.0, aliases=("--idle-connection-timeout",),
                                               help="seconds a WebSocket may stay open without a session (0 = no bound)")
     idle_session_timeout_s: float = option(30.0, aliases=("--idle-session-timeout",),
@@ -201,6 +217,9 @@ class GatewayConfig:
     voice_upload_bytes: int = option(10 * 1024 * 1024, help="bytes one enrolled voice's audio may hold")
     voice_min_seconds: float = option(2.0, help="shorter enrollment audio is refused")
     voice_max_seconds: float = option(30.0, help="longer enrollment audio is refused")
+    max_voices: int = option(64, help="enrolled voices in --voices-dir; more get 409 voice_limit_reached")
+    voices_total_bytes: int = option(256 * 1024 * 1024, help="bytes of enrolled audio (24 kHz float32) in "
+                                                             "--voices-dir; more get 409 voice_limit_reached")
 
     def __post_init__(self) -> None:
         if not self.cells and not self.cells_dns:
@@ -208,14 +227,17 @@ class GatewayConfig:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         for name in ("poll_interval_s", "poll_timeout_s", "dns_refresh_s", "open_timeout_s", "cleanup_timeout_s",
-                     "stall_timeout_s", "client_secret_ttl_s"):
+                     "stall_timeout_s", "client_secret_ttl_s", "send_timeout_s", "close_timeout_s",
+                     "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("admission_wait_s", "idle_connection_timeout_s", "idle_session_timeout_s", "send_buffer_bytes"):
+        for name in ("admission_wait_s", "idle_connection_timeout_s", "idle_session_timeout_s", "send_buffer_bytes",
+                     "client_secret_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_connections", "output_queue_events", "output_queue_bytes", "max_message_bytes",
-                     "max_packet_samples", "max_instructions_chars", "voice_upload_bytes"):
+                     "max_packet_samples", "max_instructions_chars", "voice_upload_bytes", "client_secret_burst",
+                     "write_buffer_bytes", "body_buffer_bytes", "max_voices", "voices_total_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -224,6 +246,9 @@ class GatewayConfig:
             tls.server_context(self.tls_cert, self.tls_key)  # refuses unreadable or mismatched files at start
         if self.voice_upload and not self.api_key:
             raise ValueError(f"--voice-upload needs an API key: set {self.api_key_env}")
+        if self.body_buffer_bytes < self.voice_upload_bytes:
+            raise ValueError(f"body_buffer_bytes ({self.body_buffer_bytes}) must hold one upload "
+                             f"(voice_upload_bytes, {self.voice_upload_bytes})")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> "GatewayConfig":

@@ -11,8 +11,13 @@ A response ends when the session ends, or early when the client cancels it or tr
 (barge-in); the next one starts at once. Legacy (beta) sessions get the beta names.
 
 Pure bookkeeping: methods return the events to send (without event_id/server_event_seq). Records are
-bounded in bytes: the last `MAX_ITEMS` items, each transcript at most `MAX_TRANSCRIPT_CHARS` (later text
-of a very long item is not kept; its frames are still counted).
+bounded in count and bytes, the live response's item included: at most `MAX_ITEMS` items and
+`MAX_CONVERSATION_BYTES` of stored text (UTF-8, with `ITEM_OVERHEAD_BYTES` per item and 8 per kept
+transcript piece); past either, the oldest items other than the live one are forgotten (a later
+truncate or delete of one is `invalid_item_id`). A client item is at most 16 parts of
+`MAX_CLIENT_TEXT_CHARS`; a transcript at most `MAX_TRANSCRIPT_CHARS` (later text of a very long item
+is not kept; its frames are still counted). The live item alone never passes the bound: it is at most
+MAX_TRANSCRIPT_CHARS x (4 + 8) bytes.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from dataclasses import dataclass, field
 from services.gateway.audio import FRAME_MS
 
 MAX_ITEMS = 32
+MAX_CONVERSATION_BYTES = 512 * 1024
+ITEM_OVERHEAD_BYTES = 256  # an item's ids, role, status and part dicts, counted as this much
 MAX_TRANSCRIPT_CHARS = 8_192
 MAX_CLIENT_TEXT_CHARS = 4_096
+MAX_CLIENT_PARTS = 16
 # Content part types a client item may carry, per role (GA and beta spellings).
 _CLIENT_PARTS = {"system": {"input_text"}, "user": {"input_text", "input_audio", "text"},
                  "assistant": {"output_text", "output_audio", "text", "audio"}}
@@ -49,13 +57,23 @@ class Item:
     frames: int = 0
     piece_frames: array = field(default_factory=lambda: array("I"))
     piece_ends: array = field(default_factory=lambda: array("I"))
+    bytes: int = 0  # what the conversation's byte bound counts for this item
 
-    def add_frame(self, text: str) -> None:
+    def __post_init__(self) -> None:
+        texts = (p.get("text", p.get("transcript", "")) for p in self.content)
+        self.bytes = ITEM_OVERHEAD_BYTES + sum(len(t.encode()) for t in texts)
+
+    def add_frame(self, text: str) -> int:
+        """Record one output frame's text piece; returns the bytes the item grew by."""
+        grown = 0
         if text and len(self.transcript) + len(text) <= MAX_TRANSCRIPT_CHARS:
             self.transcript += text
             self.piece_frames.append(self.frames)
             self.piece_ends.append(len(self.transcript))
+            grown = len(text.encode()) + 8
+            self.bytes += grown
         self.frames += 1
+        return grown
 
     def cut(self, frames: int) -> None:
         """Keep what the first `frames` output frames said."""
@@ -63,6 +81,7 @@ class Item:
         self.transcript = self.transcript[:self.piece_ends[n - 1]] if n else ""
         del self.piece_frames[n:], self.piece_ends[n:]
         self.frames = min(self.frames, frames)
+        self.bytes = ITEM_OVERHEAD_BYTES + len(self.transcript.encode()) + 8 * len(self.piece_ends)
 
 
 @dataclass
@@ -78,6 +97,7 @@ class Conversation:
         self.legacy = legacy
         self.current: Response | None = None
         self.items: OrderedDict[str, Item] = OrderedDict()
+        self.bytes = 0  # the items' `bytes`, summed
 
     # ---- event shapes ---------------------------------------------------------
 
@@ -128,7 +148,10 @@ class Conversation:
         """Record one output frame's text piece; returns the ids its two deltas carry."""
         r = self.current
         assert r is not None
-        r.item.add_frame(text)
+        grown = r.item.add_frame(text)
+        if grown:
+            self.bytes += grown
+            self._evict()
         return self._where(r)
 
     def finish(self, status: str, reason: str | None = None, error: dict | None = None) -> list[dict]:
@@ -164,7 +187,9 @@ class Conversation:
     def truncate(self, item_id: str, audio_end_ms: int) -> dict:
         """Cut an assistant item's transcript to what was heard (whole 80 ms frames, rounded up)."""
         item = self.items[item_id]
+        self.bytes -= item.bytes
         item.cut(-(-audio_end_ms // FRAME_MS))
+        self.bytes += item.bytes
         return {"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
                 "audio_end_ms": min(audio_end_ms, item.frames * FRAME_MS)}
 
@@ -181,22 +206,30 @@ class Conversation:
         return {"type": "conversation.item.retrieved", "item": self._item_object(self.items[item_id])}
 
     def delete(self, item_id: str) -> dict:
-        del self.items[item_id]
+        self.bytes -= self.items.pop(item_id).bytes
         return {"type": "conversation.item.deleted", "item_id": item_id}
 
     def _remember(self, item: Item) -> Item:
         self.items[item.id] = item
-        while len(self.items) > MAX_ITEMS:
-            oldest = next(iter(self.items))
-            if self.current is not None and oldest == self.current.item.id:
-                break
-            self.items.popitem(last=False)
+        self.bytes += item.bytes
+        self._evict()
         return item
+
+    def _evict(self) -> None:
+        """Forget the oldest items past the count or byte bound; the live response's item is kept
+        (it is often the oldest: it opened at the first audio, and client items came after)."""
+        live = self.current.item.id if self.current is not None else None
+        for item_id in list(self.items):
+            if len(self.items) <= MAX_ITEMS and self.bytes <= MAX_CONVERSATION_BYTES:
+                return
+            if item_id != live:
+                self.bytes -= self.items.pop(item_id).bytes
 
 
 def client_message_content(role: object, content: object) -> list[dict] | None:
     """A client message item's content, normalized to text parts; None when it is not a valid message."""
-    if not isinstance(role, str) or role not in _CLIENT_PARTS or not isinstance(content, list) or len(content) > 16:
+    if (not isinstance(role, str) or role not in _CLIENT_PARTS or not isinstance(content, list)
+            or len(content) > MAX_CLIENT_PARTS):
         return None
     parts = []
     for part in content:

@@ -9,6 +9,7 @@
     gateway_errors_total{type,code}                 counter: every error event/close reason sent to a client
     gateway_cleanup_unconfirmed_total               counter: sessions whose streams were not acknowledged closed in time
     gateway_slow_client_cutoffs_total               counter
+    gateway_client_aborts_total{reason}             counter: sockets aborted (send_timeout, write_buffer, ...)
     gateway_cell_free_slots{cell} / gateway_cell_serving{cell}   gauges from the last capacity poll
     gateway_worker_websockets_open{worker}          gauge: WebSocket connections a worker holds now
     gateway_worker_websockets_total{worker}         counter: WebSocket connections a worker took
@@ -55,6 +56,8 @@ class GatewayMetrics:
                                        "newest relay.PRELIVE_FRAMES are kept)", registry=r)
         self.slow_client_cutoffs = Counter("gateway_slow_client_cutoffs_total", "Clients cut off for not reading",
                                            registry=r)
+        self.client_aborts = Counter("gateway_client_aborts_total", "Client sockets aborted (client_connection.py)",
+                                     ["reason"], registry=r)
         recent = "livemostrecent"
         self.cell_free = Gauge("gateway_cell_free_slots", "Free session slots per cell (last poll)", ["cell"],
                                registry=r, multiprocess_mode=recent)

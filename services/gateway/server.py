@@ -11,13 +11,16 @@
 
 With `--workers N` each worker process runs one Gateway on its own listening socket of the shared
 port (services/gateway/workers.py): its own cell pool and capacity polls, its own sessions.
+
+Every connection reads its request strictly, with nothing of a body read before its route and key
+are checked (http_requests.py), and keeps its socket bounded in time and bytes whatever the client
+reads (client_connection.py). Bodies: PUT /v1/voices/NAME (voices.py says when), POST
+client_secrets (at most CLIENT_SECRET_BODY_BYTES, ignored); every other route takes none (413).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import mimetypes
 import os
@@ -33,18 +36,21 @@ from websockets.http11 import Request, Response
 from services.gateway import auth, tls
 from services.gateway.admission import Releases
 from services.gateway.cells import CellPool
+from services.gateway.client_connection import Limits, OpenSockets, connection_factory
 from services.gateway.config import GatewayConfig
+from services.gateway.http_requests import BodyBudget, error_response, json_response, response
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.native import NativeSession, admit_at_upgrade
 from services.gateway.realtime import RealtimeSession
 from services.gateway.realtime_wire import FALSE, TRUE
 from services.gateway.voices import PREFIX as VOICES_PREFIX
-from services.gateway.voices import Voices, accept_voice_uploads
+from services.gateway.voices import Voices
 
 log = logging.getLogger("gateway.server")
 
 WS_PATHS = ("/v1/realtime", "/api/chat")
 CLIENT_SECRETS_PATH = "/v1/realtime/client_secrets"
+CLIENT_SECRET_BODY_BYTES = 64 * 1024  # OpenAI's SDKs send a session config; it is read and ignored
 _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
@@ -60,18 +66,6 @@ _CONTENT_TYPES = {
 }
 
 
-def _response(status: int, body: bytes, content_type: str, extra: list[tuple[str, str]] = ()) -> Response:
-    import http
-
-    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
-                       ("Cache-Control", "no-store"), *extra])
-    return Response(status, http.HTTPStatus(status).phrase, headers, body)
-
-
-def _json(status: int, obj: dict, extra: list[tuple[str, str]] = ()) -> Response:
-    return _response(status, json.dumps(obj).encode(), "application/json", extra)
-
-
 class Gateway:
     def __init__(self, config: GatewayConfig, *, worker: int = 0, listen_socket: socket.socket | None = None,
                  metrics_dir: str | None = None):
@@ -85,6 +79,10 @@ class Gateway:
         self.voices = Voices(config, self.pool)
         self.releases = Releases()
         self.tls = tls.server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self.secrets = auth.ClientSecrets(config.api_key, config.client_secret_ttl_s, config.client_secret_rate,
+                                          config.client_secret_burst)
+        self.sockets = OpenSockets()  # the connection cap counts these
+        self.bodies = BodyBudget(config.body_buffer_bytes)
         self.server: Server | None = None
 
     @property
@@ -97,17 +95,21 @@ class Gateway:
         await self.pool.wait_first_poll()
         sock = self._listen_socket
         where = {"sock": sock} if sock else {"host": self.config.host, "port": self.config.port}
+        cfg = self.config
+        limits = Limits(cfg.send_timeout_s, cfg.write_buffer_bytes, cfg.request_timeout_s)
         self.server = await serve(
             self._handle,
             **where,
             process_request=self._process_request,
-            max_size=self.config.max_message_bytes,
+            max_size=cfg.max_message_bytes,
             max_queue=4,  # received messages waiting for a session's reader: at most 4 x max_size bytes
             select_subprotocol=auth.select_subprotocol,
             server_header="personaplex-gateway",
-            create_connection=accept_voice_uploads(self.config.voice_upload_bytes),
+            create_connection=connection_factory(limits, self._body_refusal, self.bodies, self.sockets,
+                                                 lambda reason: self.metrics.client_aborts.labels(reason).inc()),
+            close_timeout=cfg.close_timeout_s,
             # /api/chat opens its session (prompt prefill included) before the upgrade's answer.
-            open_timeout=max(10.0, self.config.open_timeout_s + 5.0),
+            open_timeout=max(10.0, cfg.open_timeout_s + 5.0),
             ssl=self.tls,
         )
         log.info("gateway%s listening on http%s://%s:%d (%d cell(s) configured%s)",
@@ -123,32 +125,55 @@ class Gateway:
 
     # ---- HTTP -------------------------------------------------------------
 
+    def _body_refusal(self, method: str, target: str, headers: Headers, length: int | None) -> Response | None:
+        """http_requests' route: whether this request's body may be read (None) or the answer to give
+        before reading it. Runs on the head alone, so the key is checked before any body byte is read."""
+        path = urlsplit(target).path
+        if path.startswith(VOICES_PREFIX + "/") and method == "PUT":
+            return self.voices.before_body(path, headers, length)
+        cap = 0
+        if path == CLIENT_SECRETS_PATH and method == "POST":
+            if self.config.api_key and not auth.bearer_is_key(self.config.api_key, headers):
+                return self._unauthorized("minting a client secret needs the API key as bearer token")
+            cap = CLIENT_SECRET_BODY_BYTES
+        if length is not None and length > cap:
+            return error_response(413, "body_too_large", f"{method} {path[:80]} takes at most {cap} bytes of body, "
+                                                         f"got a Content-Length of {length}")
+        return None
+
     async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
         path = url.path
         if path in WS_PATHS:
             if request.headers.get("Upgrade", "").lower() != "websocket":
-                return _response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8",
-                                 [("Upgrade", "websocket")])
-            if self.server is not None and len(self.server.connections) >= self.config.max_connections:
+                return response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8",
+                                [("Upgrade", "websocket")])
+            if len(self.sockets) >= self.config.max_connections:
                 self.metrics.errors.labels("server_error", "server_busy").inc()
                 busy = f"this gateway holds {self.config.max_connections} connections; retry shortly"
-                return _json(503, {"error": {"type": "server_error", "code": "server_busy", "message": busy}})
-            if not self._authorized(request):
+                return error_response(503, "server_busy", busy, [("Retry-After", "1")])
+            admission = self.secrets.admit(request.headers)
+            if admission is auth.Admission.SPENT:
+                return self._unauthorized("this client secret already opened its connection: mint one per connection")
+            if admission is auth.Admission.BUSY:
+                return error_response(429, "rate_limit_exceeded", "too many client secrets are in use; retry "
+                                      "shortly", [("Retry-After", "1")])
+            if admission is auth.Admission.REFUSED:
                 return self._unauthorized(
                     "missing or wrong API key (a bearer header or the openai-insecure-api-key. subprotocol)")
+            self.sockets.admit(conn)
             query = dict(parse_qsl(url.query))
             self._bound_send_buffer(conn)
             duplex = query.get("duplex", "1").lower()
             if path == "/v1/realtime" and duplex not in TRUE:
                 why = ("this server only speaks the duplex wire (duplex=1)" if duplex in FALSE
                        else f"duplex={duplex!r} is not 1|true|on")
-                return _json(400, {"error": {"type": "invalid_request_error", "code": "bad_request", "message": why}})
+                return error_response(400, "bad_request", why)
             if path == "/api/chat":  # refused here with an HTTP status, or opened and handed to the session
                 refusal = await admit_at_upgrade(self, conn, query)
                 if refusal is not None:
                     retry = [("Retry-After", str(refusal.retry_after_s))] if refusal.retry_after_s else []
-                    return _json(refusal.status, {"error": refusal.error}, retry)
+                    return json_response(refusal.status, {"error": refusal.error}, retry)
             return None  # go on with the WebSocket handshake
         if path == CLIENT_SECRETS_PATH:
             return self._client_secret(request)
@@ -158,13 +183,13 @@ class Gateway:
                     **self.pool.capacity_summary(),
                     "cell_detail": [c.describe() for c in self.pool.cells.values()],
                     "worker": {"index": self.worker, "pid": os.getpid(), "workers": self.config.workers}}
-            return _json(200 if state == "ready" else 503, body)
+            return json_response(200 if state == "ready" else 503, body)
         if path == "/health/live":
-            return _json(200, {"status": "alive"})
+            return json_response(200, {"status": "alive"})
         if path == VOICES_PREFIX or path.startswith(VOICES_PREFIX + "/"):
             return await self.voices.handle(request)
         if path == "/metrics":
-            return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+            return response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
         return self._static(path)
 
     def _bound_send_buffer(self, conn: ServerConnection) -> None:
@@ -172,30 +197,31 @@ class Gateway:
         if sock is not None and self.config.send_buffer_bytes > 0:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer_bytes)
 
-    def _authorized(self, request: Request) -> bool:
-        key = self.config.api_key
-        return not key or any(auth.accepts(key, c) for c in auth.offered_credentials(request.headers))
-
     def _unauthorized(self, message: str) -> Response:
         self.metrics.errors.labels("invalid_request_error", "unauthorized").inc()
-        return _json(401, {"error": {"type": "invalid_request_error", "code": "unauthorized", "message": message}})
+        return error_response(401, "unauthorized", message)
 
     def _client_secret(self, request: Request) -> Response:
-        """Mint a short-lived client secret for a browser. Only the API key itself mints one (a client
-        secret cannot extend itself); with no key configured the secret is accepted but not needed."""
+        """Mint a short-lived client secret for a browser, for one connection. Only the API key itself
+        mints one (a client secret cannot extend itself); with no key configured the secret is accepted
+        but not needed. Minting is rate-limited (auth.ClientSecrets)."""
         if request.method != "POST":
-            return _response(405, b"POST with the API key as bearer token\n", "text/plain; charset=utf-8",
-                             [("Allow", "POST")])
-        key = self.config.api_key or ""
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if key and not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
+            return response(405, b"POST with the API key as bearer token\n", "text/plain; charset=utf-8",
+                            [("Allow", "POST")])
+        if self.config.api_key and not auth.bearer_is_key(self.config.api_key, request.headers):
             return self._unauthorized("minting a client secret needs the API key as bearer token")
-        value, expires_at = auth.mint(key, self.config.client_secret_ttl_s)
-        return _json(200, {"value": value, "expires_at": expires_at})
+        try:
+            value, expires_at = self.secrets.mint()
+        except auth.RateLimited as e:
+            self.metrics.errors.labels("invalid_request_error", "rate_limit_exceeded").inc()
+            return error_response(429, "rate_limit_exceeded", f"client secrets are minted at most "
+                                  f"{self.config.client_secret_rate:g} a second; {e}",
+                                  [("Retry-After", str(e.retry_after_s))])
+        return json_response(200, {"value": value, "expires_at": expires_at})
 
     def _static(self, path: str) -> Response:
         if any(c < " " or c == "\x7f" for c in path):  # NUL and other control characters name no file
-            return _response(400, b"bad path\n", "text/plain; charset=utf-8")
+            return response(400, b"bad path\n", "text/plain; charset=utf-8")
         root = Path(self.config.static_dir).resolve()
         rel = "index.html" if path in ("", "/") else path.lstrip("/")
         try:
@@ -204,10 +230,10 @@ class Gateway:
         except (OSError, ValueError):  # a name the file system refuses (too long, ...)
             found = False
         if not found:
-            return _response(404, b"not found\n", "text/plain; charset=utf-8")
+            return response(404, b"not found\n", "text/plain; charset=utf-8")
         ctype = (_CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0]
                  or "application/octet-stream")
-        return _response(200, target.read_bytes(), ctype)
+        return response(200, target.read_bytes(), ctype)
 
     # ---- WebSocket ---------------------------------------------------------
 

@@ -1,77 +1,79 @@
 """Voices on the gateway: the list, and enrollment from audio.
 
-    GET    /v1/voices          {"object": "list", "upload": bool, "data": [{"name", "kind", "seconds"}]}:
-                               the bundled voices (asked of a talker) and the enrolled ones
+    GET    /v1/voices          {"object": "list", "upload": bool, "data": [{"name", "kind", "seconds"}],
+                               "has_more": bool, "last_id": name | null}: the bundled voices (asked of a
+                               talker, by name), then the enrolled ones (by name). ?limit=1..100 (100)
+                               and ?after=NAME (the previous page's last_id) page through it
     PUT    /v1/voices/NAME     body: an audio file sphn reads (wav, flac, mp3, ogg): enrolls NAME (201)
                                or replaces it (200)
     DELETE /v1/voices/NAME     forgets NAME (200)
 
 PUT and DELETE exist only with --voice-upload, which needs the gateway's API key (Bearer); GET is
-open, like the page. Names are [A-Za-z0-9_-]{1,64} (services/common/voice_names.py); a bundled
-voice (a file name, "NATF2.pt") can be neither overwritten nor deleted. An upload is at most
-`voice_upload_bytes` bytes and, decoded, `voice_min_seconds`..`voice_max_seconds` long; audio
-that is not audio, is empty, silent, too short or too long is a 4xx with a typed code.
+open, like the page. Names are [A-Za-z0-9_-]{1,64} (services/common/voice_names.py). A name may not
+shadow what clients already name: a bundled voice ("NATF2.pt", or "NATF2") can be neither
+overwritten nor deleted (403 bundled_voice), and a voice alias ("marin", any case) cannot be
+enrolled (409 voice_name_reserved; an old file of that name is ignored). At most `max_voices`
+voices and `voices_total_bytes` of stored audio (409 voice_limit_reached; replacing a voice counts
+its new size only). An upload is at most `voice_upload_bytes` bytes and, decoded,
+`voice_min_seconds`..`voice_max_seconds` long; audio that is not audio, is empty, silent, too short
+or too long is a 4xx with a typed code.
+
+Before any byte of a body is read (`before_body`, from the request parser): the route, the key, the
+name and the length are checked, so an unauthenticated or refused upload costs nothing. The audio
+is then decoded and checked in a bounded child process (services/common/audio_sandbox.py): a
+decoder bomb or a decoder crash is a typed 4xx, never the gateway's memory or its event loop.
 
 Storage: one file per voice, DIR/NAME.f32: float32 samples at 24 kHz, the upload's first channel,
 not normalised (the talker records it exactly as the reference records an audio file). Written
-to a temporary file and renamed, so a half-written voice is never visible, and of two uploads of
-one name the later rename wins whole. The gateway's workers share DIR; gateways on several hosts
-share it as a volume. A session's open reads the file and ships the samples to the talker
-(TalkOpen.voice_audio), so every cell can use every enrolled voice, and a voice deleted while
-sessions use it only stops new sessions: the talker keeps its own recording.
-
-websockets' HTTP parser refuses every request body, so `accept_voice_uploads` gives the server a
-parser that also reads the body of PUT /v1/voices/NAME (bounded; anything else is parsed as before).
+to a temporary file and renamed under a lock on DIR itself (the caps are checked under it), so a
+half-written voice is never visible, and of two uploads of one name the later rename wins whole.
+The gateway's workers share DIR; gateways on several hosts share it as a volume. A session's open
+reads the file and ships the samples to the talker (TalkOpen.voice_audio), so every cell can use
+every enrolled voice, and a voice deleted while sessions use it only stops new sessions: the
+talker keeps its own recording (its memory and disk cache, keyed by a digest of the samples; the
+talker has no call to forget one yet, so a DELETE cannot prune it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import http
-import json
+import fcntl
 import logging
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
-from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
-from websockets.exceptions import InvalidMessage
-from websockets.http11 import HeaderLineTooLong, RequestLineTooLong, TooManyHeaders
-from websockets.http11 import Request, Response, parse_headers, parse_line
-from websockets.protocol import CONNECTING, Protocol
-from websockets.server import ServerProtocol
+from websockets.http11 import Request, Response
 
-from services.common import voice_audio, voice_names
+from services.common import audio_sandbox, voice_audio, voice_names
+from services.gateway import auth
+from services.gateway.http_requests import error_response as _error
+from services.gateway.http_requests import json_response as _json
 
 log = logging.getLogger("gateway.voices")
 
 PREFIX = "/v1/voices"
 SUFFIX = ".f32"
 BUNDLED_TTL_S = 10.0  # how long a talker's list of bundled voices is reused
+MAX_PAGE = 100  # voices in one GET /v1/voices answer (and its default)
 
 
-def _json(status: int, obj: dict) -> Response:
-    body = json.dumps(obj).encode()
-    headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                       ("Cache-Control", "no-store")])
-    return Response(status, http.HTTPStatus(status).phrase, headers, body)
-
-
-def _error(status: int, code: str, message: str) -> Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return _json(status, {"error": {"type": kind, "code": code, "message": message}})
+class VoiceLimit(Exception):
+    """Storing one more voice would pass max_voices or voices_total_bytes."""
 
 
 class VoiceStore:
-    """The enrolled voices in one folder (module doc: one atomic file per voice)."""
+    """The enrolled voices in one folder (module doc: one atomic file per voice, caps under a lock)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, max_voices: int, max_bytes: int):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_voices, self.max_bytes = max_voices, max_bytes
 
     def _path(self, name: str) -> Path:
         assert voice_names.is_enrolled(name)  # callers check: the name is a plain file name then
@@ -87,17 +89,49 @@ class VoiceStore:
             return None
 
     def write(self, name: str, pcm: np.ndarray) -> bool:
-        """Store (atomically); True if the name is new."""
+        """Store (atomically, within the caps); True if the name is new. VoiceLimit past a cap."""
+        data = pcm.astype("<f4").tobytes()
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".upload-", suffix=SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(pcm.astype("<f4").tobytes())
-            new = not self._path(name).exists()
-            os.replace(tmp, self._path(name))
+                f.write(data)
+            with self._locked():
+                sizes = self._sizes()
+                new = name not in sizes
+                sizes[name] = len(data)
+                if len(sizes) > self.max_voices or sum(sizes.values()) > self.max_bytes:
+                    raise VoiceLimit(f"at most {self.max_voices} voices and {self.max_bytes} bytes of audio are kept "
+                                     f"(now {len(sizes) - new} voices, {sum(sizes.values()) - len(data)} bytes "
+                                     f"without this one): delete one first")
+                os.replace(tmp, self._path(name))
             return new
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def is_full(self) -> bool:
+        """No room for one more voice (by count): checked before an upload's body is read."""
+        return len(self._sizes()) >= self.max_voices
+
+    @contextmanager
+    def _locked(self):
+        fd = os.open(self.dir, os.O_RDONLY)  # the folder itself: workers and other gateways on this host
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _sizes(self) -> dict[str, int]:
+        out = {}
+        for p in self.dir.glob(f"*{SUFFIX}"):
+            name = p.name[: -len(SUFFIX)]
+            if voice_names.is_enrolled(name):
+                try:
+                    out[name] = p.stat().st_size
+                except FileNotFoundError:  # deleted meanwhile
+                    pass
+        return out
 
     def delete(self, name: str) -> bool:
         try:
@@ -107,15 +141,8 @@ class VoiceStore:
             return False
 
     def list(self) -> list[tuple[str, float]]:
-        out = []
-        for p in sorted(self.dir.glob(f"*{SUFFIX}")):
-            name = p.name[: -len(SUFFIX)]
-            if voice_names.is_enrolled(name):
-                try:
-                    out.append((name, round(p.stat().st_size / 4 / voice_audio.SAMPLE_RATE, 2)))
-                except FileNotFoundError:  # deleted meanwhile
-                    pass
-        return out
+        """(name, seconds) of every voice, by name."""
+        return [(name, round(size / 4 / voice_audio.SAMPLE_RATE, 2)) for name, size in sorted(self._sizes().items())]
 
 
 class Voices:
@@ -127,12 +154,15 @@ class Voices:
         if self.upload and not config.api_key:
             raise ValueError("voice upload needs the gateway's API key (enrollment is never open to anyone)")
         directory = config.voices_dir or Path(tempfile.gettempdir()) / "personaplex-gateway-voices"
-        self.store = VoiceStore(directory) if self.upload or config.voices_dir else None
+        self.store = (VoiceStore(directory, config.max_voices, config.voices_total_bytes)
+                      if self.upload or config.voices_dir else None)
+        self.aliases = {name.lower() for name, _ in config.voice_aliases}
         self._bundled: tuple[float, list[tuple[str, float]]] = (0.0, [])
 
     def is_enrolled(self, name: str) -> bool:
         """Whether `name` is an enrolled voice now (checked again when a session opens with it)."""
-        return self.store is not None and voice_names.is_enrolled(name) and self.store.exists(name)
+        return (self.store is not None and voice_names.is_enrolled(name) and name.lower() not in self.aliases
+                and self.store.exists(name))
 
     def for_open(self, name: str) -> tuple[str, bytes]:
         """(the voice name for the talker, the enrolled audio to ship with it, or b"" for a bundled
@@ -141,30 +171,60 @@ class Voices:
         if self.store is None or not name:
             return name, b""
         stem = name[:-3] if name.endswith(".pt") else name
-        if voice_names.is_enrolled(stem) and (audio := self.store.read(stem)) is not None:
+        if (voice_names.is_enrolled(stem) and stem.lower() not in self.aliases
+                and (audio := self.store.read(stem)) is not None):
             return stem, audio
         return name, b""
 
     # ---- routes
 
-    async def handle(self, request: Request) -> Response:
-        path = request.path.split("?", 1)[0]
-        name = path[len(PREFIX) + 1:] if path.startswith(PREFIX + "/") else None
-        method = request.method
-        if path == PREFIX and method == "GET":
-            return await self._list()
-        if name is None:
-            return _error(405 if path == PREFIX else 404, "not_found", f"{method} {path[:80]} is not a voices route")
-        if method not in ("PUT", "DELETE"):
-            return _error(405, "method_not_allowed", "voices take PUT (enroll) and DELETE")
+    def before_body(self, path: str, headers: Headers, length: int | None) -> Response | None:
+        """For PUT /v1/voices/NAME, on the request's head alone: the refusal, or None to read the body."""
+        refusal = self._refusal("PUT", path[len(PREFIX) + 1:], headers)
+        if refusal is not None:
+            return refusal
+        if length is None:
+            return _error(411, "length_required", "send the audio file as the body, with a Content-Length")
+        if length > self.cfg.voice_upload_bytes:
+            return _error(413, "voice_too_large", f"the upload is {length} bytes, at most "
+                                                  f"{self.cfg.voice_upload_bytes} allowed")
+        return None
+
+    def _refusal(self, method: str, name: str, headers: Headers) -> Response | None:
+        """What refuses a PUT or DELETE of `name` before its audio matters (the same before and after
+        the body is read)."""
         if not self.upload:
             return _error(403, "voice_upload_disabled", "voice enrollment is off on this server (--voice-upload)")
-        if not self._authorized(request):
+        if not auth.bearer_is_key(self.cfg.api_key, headers):
             return _error(401, "unauthorized", "missing or wrong bearer API key")
         if voice_names.is_bundled(name):
             return _error(403, "bundled_voice", f"{name[:80]!r} is a bundled voice: it cannot be replaced or deleted")
         if not voice_names.is_enrolled(name):
             return _error(400, "invalid_voice_name", f"voice names are 1 to 64 of A-Z a-z 0-9 _ -, got {name[:80]!r}")
+        if method == "PUT" and name.lower() in self.aliases:
+            return _error(409, "voice_name_reserved", f"{name!r} is a voice alias clients use (--voice-aliases): "
+                                                      "enroll it under another name")
+        if method == "PUT" and name in {n.rsplit(".", 1)[0] for n, _ in self._bundled[1]}:
+            return _error(403, "bundled_voice", f"{name!r} is the name of a bundled voice")
+        if method == "PUT" and not self.store.exists(name) and self.store.is_full():
+            return _error(409, "voice_limit_reached", f"at most {self.cfg.max_voices} voices are enrolled: "
+                                                      "delete one first")
+        return None
+
+    async def handle(self, request: Request) -> Response:
+        url = urlsplit(request.path)
+        path = url.path
+        name = path[len(PREFIX) + 1:] if path.startswith(PREFIX + "/") else None
+        method = request.method
+        if path == PREFIX and method == "GET":
+            return await self._list(dict(parse_qsl(url.query)))
+        if name is None:
+            return _error(405 if path == PREFIX else 404, "not_found", f"{method} {path[:80]} is not a voices route")
+        if method not in ("PUT", "DELETE"):
+            return _error(405, "method_not_allowed", "voices take PUT (enroll) and DELETE")
+        refusal = await asyncio.to_thread(self._refusal, method, name, request.headers)
+        if refusal is not None:
+            return refusal
         if method == "DELETE":
             if not await asyncio.to_thread(self.store.delete, name):
                 return _error(404, "voice_not_found", f"no enrolled voice {name!r}")
@@ -172,49 +232,46 @@ class Voices:
             return _json(200, {"name": name, "deleted": True})
         return await self._enroll(name, request)
 
-    def _authorized(self, request: Request) -> bool:
-        key = self.cfg.api_key
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        return bool(key) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
     async def _enroll(self, name: str, request: Request) -> Response:
-        body = getattr(request, "body", None)
+        body = getattr(request, "body", None)  # the request parser read it (before_body said yes)
         if body is None:
-            too_big = getattr(request, "body_too_large", None)
-            if too_big is not None:
-                return _error(413, "voice_too_large", f"the upload is {too_big} bytes, at most "
-                                                      f"{self.cfg.voice_upload_bytes} allowed")
             return _error(411, "length_required", "send the audio file as the body, with a Content-Length")
         if not body:
             return _error(400, "empty_audio", "the upload is empty")
-        try:
-            pcm = await asyncio.to_thread(self._check, body)
-        except voice_audio.InvalidVoiceAudio as e:
-            return _error(413 if e.kind == "too_long" else 400, e.kind, str(e))
         bundled = {n.rsplit(".", 1)[0] for n, _ in await self._bundled_voices()}
         if name in bundled:
             return _error(403, "bundled_voice", f"{name!r} is the name of a bundled voice")
-        created = await asyncio.to_thread(self.store.write, name, pcm)
+        try:
+            pcm = await audio_sandbox.check_voice_apart(body, self.cfg.voice_min_seconds, self.cfg.voice_max_seconds)
+        except voice_audio.InvalidVoiceAudio as e:
+            return _error(413 if e.kind == "too_long" else 400, e.kind, str(e))
+        try:
+            created = await asyncio.to_thread(self.store.write, name, pcm)
+        except VoiceLimit as e:
+            return _error(409, "voice_limit_reached", str(e))
         seconds = round(pcm.size / voice_audio.SAMPLE_RATE, 2)
         log.info("voice %s %s: %.2f s", name, "enrolled" if created else "replaced", seconds)
         return _json(201 if created else 200, {"name": name, "kind": "enrolled", "seconds": seconds})
 
-    def _check(self, body: bytes) -> np.ndarray:
-        pcm = voice_audio.read_audio(body, self.cfg.voice_max_seconds)
-        if pcm.size < self.cfg.voice_min_seconds * voice_audio.SAMPLE_RATE:
-            raise voice_audio.InvalidVoiceAudio(f"the audio lasts {pcm.size / voice_audio.SAMPLE_RATE:.2f} s, at "
-                                                f"least {self.cfg.voice_min_seconds:g} s needed", "too_short")
-        voice_audio.check_audible(pcm)
-        return pcm
-
-    async def _list(self) -> Response:
+    async def _list(self, query: dict[str, str]) -> Response:
+        limit_text, after = query.get("limit", str(MAX_PAGE)), query.get("after", "")
+        if not (limit_text.isascii() and limit_text.isdigit() and len(limit_text) <= 3
+                and 1 <= int(limit_text) <= MAX_PAGE):
+            return _error(400, "invalid_limit", f"limit is an integer from 1 to {MAX_PAGE}")
         data = [{"name": n, "kind": "bundled", "seconds": s} for n, s in await self._bundled_voices()]
         if self.store is not None:
-            data += [{"name": n, "kind": "enrolled", "seconds": s} for n, s in await asyncio.to_thread(self.store.list)]
-        return _json(200, {"object": "list", "upload": self.upload, "data": data})
+            data += [{"name": n, "kind": "enrolled", "seconds": s} for n, s in await asyncio.to_thread(self.store.list)
+                     if n.lower() not in self.aliases]
+        if after:  # the order: bundled then enrolled, each by name (a bundled name has a '.', an enrolled one not)
+            key = lambda v: (v["kind"] != "bundled", v["name"])  # noqa: E731
+            mark = (not voice_names.is_bundled(after), after)
+            data = [v for v in data if key(v) > mark]
+        page = data[: int(limit_text)]
+        return _json(200, {"object": "list", "upload": self.upload, "data": page, "has_more": len(data) > len(page),
+                           "last_id": page[-1]["name"] if page else None})
 
     async def _bundled_voices(self) -> list[tuple[str, float]]:
-        """A serving talker's bundled voices, reused for BUNDLED_TTL_S; [] when no talker answers."""
+        """A serving talker's bundled voices (by name), reused for BUNDLED_TTL_S; [] when no talker answers."""
         from duplex.v1 import talker_pb2
 
         at, voices = self._bundled
@@ -226,71 +283,7 @@ class Voices:
             except Exception as e:  # that cell is down or older: ask the next
                 log.debug("cell %s did not list its voices: %s", cell.name, type(e).__name__)
                 continue
-            voices = [(v.name, round(v.seconds, 2)) for v in reply.voices if voice_names.is_bundled(v.name)]
+            voices = sorted((v.name, round(v.seconds, 2)) for v in reply.voices if voice_names.is_bundled(v.name))
             self._bundled = (time.monotonic(), voices)
             return voices
         return voices
-
-
-# ---- request bodies --------------------------------------------------------------------------------
-
-
-def accept_voice_uploads(max_body_bytes: int):
-    """A `create_connection` for websockets' serve(): its connections also read the body of
-    PUT /v1/voices/NAME, at most max_body_bytes (a larger one is flagged for a 413, not read)."""
-
-    def create(protocol: ServerProtocol, *args, **kwargs) -> ServerConnection:
-        protocol.parser = _parse(protocol, max_body_bytes)  # nothing was fed yet: replace the primed parser
-        next(protocol.parser)
-        return ServerConnection(protocol, *args, **kwargs)
-
-    return create
-
-
-def _parse(p: ServerProtocol, max_body_bytes: int):
-    """ServerProtocol.parse with a request parser that reads one upload body."""
-    if p.state is CONNECTING:
-        try:
-            request = yield from _read_request(p.reader, max_body_bytes)
-        except (RequestLineTooLong, HeaderLineTooLong, TooManyHeaders) as exc:  # websockets' own replies
-            p.handshake_exc = exc
-            status = (http.HTTPStatus.REQUEST_URI_TOO_LONG if isinstance(exc, RequestLineTooLong)
-                      else http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
-            p.send_response(p.reject(status, f"Failed to open a WebSocket connection: {exc}.\n"))
-            yield  # send_response replaced the parser: this one is never resumed
-        except Exception as exc:  # as websockets does for a request it cannot parse: close without a reply
-            p.handshake_exc = InvalidMessage("did not receive a valid HTTP request")
-            p.handshake_exc.__cause__ = exc
-            p.send_eof()
-            p.parser = p.discard()
-            next(p.parser)
-            yield
-        p.events.append(request)
-    yield from Protocol.parse(p)
-
-
-def _read_request(reader, max_body_bytes: int):
-    """websockets' Request.parse, but a PUT to a voice route may carry a Content-Length body."""
-    request_line = yield from parse_line(reader.read_line, RequestLineTooLong)
-    raw_method, raw_path, raw_protocol = request_line.split(b" ", 2)
-    if raw_protocol not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise ValueError("unsupported protocol")
-    method, path = raw_method.decode("ascii"), raw_path.decode("ascii")
-    headers = yield from parse_headers(reader.read_line)
-    if "Transfer-Encoding" in headers:
-        raise NotImplementedError("transfer codings aren't supported")
-    request = Request(path, headers, method, raw_protocol.decode("ascii"))
-    lengths = set(headers.get_all("Content-Length"))
-    upload = method == "PUT" and path.startswith(PREFIX + "/")
-    if lengths <= {"0"}:
-        if upload and lengths:
-            request.body = b""  # an empty upload: refused as such, not as a missing length
-        return request
-    if not upload or len(lengths) != 1:
-        raise ValueError("unsupported request body")
-    n = int(lengths.pop())
-    if not 0 <= n <= max_body_bytes:
-        request.body_too_large = n
-        return request
-    request.body = bytes((yield from reader.read_exact(n)))
-    return request
