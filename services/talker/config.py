@@ -32,7 +32,11 @@ class TalkerConfig(StageConfig):
     # N-1 outputs; attention over context). services/talker/engine.py.
     alignment: str = option("personaplex", help="live-step timing: personaplex | moshi")
     context: int = option(0, help="the model's context in frames (0 = the checkpoint's)")
-    kv_fp8: bool = option(False, help="store the KV ring in fp8 (half the memory per slot)")
+    kv_fp8: bool = option(False, help="store the KV ring in fp8 (half the memory per slot; as --kv-bits 8)")
+    # 0.44 GB per full-context session instead of fp8's 0.80 (services/talker/kv_int4.py); its quality against
+    # fp8 is bench/quality.py's (README).
+    kv_bits: int = option(0, help="bits per stored KV value: 8 = fp8, 4 = int4 with per-half-vector scales "
+                                  "(0 = the compute dtype, or fp8 with --kv-fp8)")
     # 6.6 GB instead of 13.2 at full size: what lets the codecs fit beside 160 sessions.
     weights_fp8: bool = option(False, help="the 32 temporal layers' matrices in fp8 with per-row scales")
     # A few thousand fewer kernels per step; start-up compiles them.
@@ -93,6 +97,10 @@ class TalkerConfig(StageConfig):
 
         if self.alignment not in ALIGNMENTS:
             raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}, got {self.alignment!r}")
+        if self.kv_bits not in (0, 4, 8):
+            raise ValueError(f"kv_bits must be 4, 8 or 0 (the compute dtype), got {self.kv_bits}")
+        if self.kv_fp8 and self.kv_bits not in (0, 8):
+            raise ValueError(f"kv_fp8 is kv_bits 8: it cannot go with kv_bits {self.kv_bits} (unset one)")
         if self.context < 0:
             raise ValueError(f"context must be >= 0 (0 = the checkpoint's), got {self.context}")
         if self.prefill_chunk_frames < 1:
@@ -111,6 +119,11 @@ class TalkerConfig(StageConfig):
         if self.voice_cache_dir:
             return Path(self.voice_cache_dir)
         return Path(tempfile.gettempdir()) / "personaplex-voices"
+
+    @property
+    def kv_storage_bits(self) -> int | None:
+        """What the KV ring stores per value: 8 (fp8), 4 (int4), or None (the compute dtype)."""
+        return 8 if self.kv_fp8 else self.kv_bits or None
 
     @property
     def torch_dtype(self) -> torch.dtype:

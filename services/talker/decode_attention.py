@@ -57,8 +57,13 @@ def decode_attention_reference(q, ring_k, ring_v, k_scale, v_scale, slots, n_val
     if k_scale is not None:
         keys = dequantize_fp8(keys, k_scale[slots], torch.float32)
         values = dequantize_fp8(values, v_scale[slots], torch.float32)
+    return attend_valid(q, keys, values, n_valid, sm_scale)
+
+
+def attend_valid(q, keys, values, n_valid, sm_scale):
+    """q [B, H, D] over entries 0..n_valid[b]-1 of keys/values [B, H, C, D] (the rest never read), in fp32."""
     keys, values = keys.float(), values.float()
-    C = ring_k.shape[2]
+    C = keys.shape[2]
     valid = torch.arange(C, device=q.device)[None, :] < n_valid[:, None]  # [B, C]
     scores = torch.einsum("bhd,bhcd->bhc", q.float(), keys) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

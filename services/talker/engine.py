@@ -240,13 +240,14 @@ class TalkerEngine:
     def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
                  context: int | None = None, kv_dtype: torch.dtype | None = None, kv_fp8: bool = False,
                  voices: dict[str, VoicePrompt] | None = None, cuda_graph: bool = False,
-                 alignment: str = "personaplex", step_ahead: bool = False):
+                 alignment: str = "personaplex", step_ahead: bool = False, kv_bits: int | None = None):
         """context: the model's context C (default: the checkpoint's); the attention window and KV ring are
         C-1 frames with alignment "personaplex", C with "moshi" (module doc). kv_fp8: store the ring as fp8
         with per-vector scales. cuda_graph: replay the device part of step() as a captured CUDA graph (one
         per distinct top-k bound, captured on first use) instead of launching it eagerly. `voices` adds
         in-memory voices by name ("NATF2.pt"), e.g. from tools.make_checkpoint.build_random_checkpoint on a
-        GPU; others come from paths.voices_dir. step_ahead: step j takes user frame j-1 (module doc)."""
+        GPU; others come from paths.voices_dir. step_ahead: step j takes user frame j-1 (module doc).
+        kv_bits: 8 (as kv_fp8) or 4 (int4 codes, services/talker/kv_int4.py); None: kv_fp8 decides."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if model.dep_steps < AGENT_CODEBOOKS:
@@ -267,7 +268,7 @@ class TalkerEngine:
         self.num_slots = slots
         self.text_card, self.card = cfg.text_card, cfg.card
         self.device = model.device
-        self._kv_format = dict(dtype=kv_dtype, fp8=kv_fp8)
+        self._kv_format = dict(dtype=kv_dtype, fp8=kv_fp8, bits=kv_bits)
         self.kv = model.new_kv_cache(slots, context=model_context - self._lag, **self._kv_format)
         self.context = self.kv.context  # the attention window: frames a live step attends over
         if RING < cfg.max_delay + 3 or RING < 2 * cfg.max_delay + self._lag:
@@ -328,7 +329,8 @@ class TalkerEngine:
     def from_checkpoint(cls, paths: CheckpointPaths, slots: int, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, context: int | None = None,
                         kv_fp8: bool = False, cuda_graph: bool = False, weights_fp8: bool = False,
-                        alignment: str = "personaplex", step_ahead: bool = False) -> "TalkerEngine":
+                        alignment: str = "personaplex", step_ahead: bool = False,
+                        kv_bits: int | None = None) -> "TalkerEngine":
         """weights_fp8: the temporal layers' matrices in fp8 (services/talker/fp8_weights.py)."""
         section = paths.serve_config()
         cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
@@ -336,7 +338,7 @@ class TalkerEngine:
         if weights_fp8:
             log.info("temporal weights to fp8: %.2f GB saved", model.quantize_weights_fp8_() / 1e9)
         return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8,
-                   cuda_graph=cuda_graph, alignment=alignment, step_ahead=step_ahead)
+                   kv_bits=kv_bits, cuda_graph=cuda_graph, alignment=alignment, step_ahead=step_ahead)
 
     # ---- sessions ------------------------------------------------------------------------------
 

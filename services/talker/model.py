@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from services.common.checkpoint import LM_FILE, CheckpointError
 from services.talker.fp8_weights import linear, quantize_temporal_weights
-from services.talker.kv_cache import DepformerCache, Fp8KVCache, KVCache
+from services.talker.kv_cache import DepformerCache, KVCache, kv_cache_type
 from services.talker.layers import Gating, RMSNorm, Weight, apply_rope, embed_or_zero
 
 _FULL_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
@@ -340,10 +340,13 @@ class LMModel(nn.Module):
         return x + embed_or_zero(self.text_emb, text)
 
     def new_kv_cache(self, slots: int, device=None, dtype=None, context: int | None = None,
-                     fp8: bool = False) -> KVCache:
-        """The temporal KV ring for `slots` sessions; fp8=True stores it as fp8 with per-vector scales."""
+                     fp8: bool = False, bits: int | None = None) -> KVCache:
+        """The temporal KV ring for `slots` sessions, storing `bits` per value (services/talker/kv_cache.py's
+        kv_cache_type): None the compute dtype, 8 fp8 with per-vector scales, 4 int4. fp8=True is bits=8."""
+        if fp8 and bits not in (None, 8):
+            raise ValueError(f"fp8=True is bits=8, got bits={bits!r} too")
         cfg = self.cfg
-        cache = Fp8KVCache if fp8 else KVCache
+        cache = kv_cache_type(8 if fp8 else bits)
         return cache(cfg.num_layers, slots, cfg.num_heads, cfg.context if context is None else context, cfg.head_dim,
                      device=device or self.device, dtype=dtype or self.dtype)
 
@@ -353,9 +356,9 @@ class LMModel(nn.Module):
         window (prefill): every slot has written at most this many positions, unwrapped (KVCache.attend)."""
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim or x.shape[1] < 1:
             raise ValueError(f"x must be [B, T>=1, {self.cfg.dim}], got {tuple(x.shape)}")
-        if (kv.k.shape[0], kv.k.shape[2], kv.k.shape[4]) != (self.cfg.num_layers, self.cfg.num_heads,
-                                                             self.cfg.head_dim):
-            raise ValueError(f"KV cache of shape {tuple(kv.k.shape)} was not made for this model")
+        if (kv.num_layers, kv.heads, kv.head_dim) != (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim):
+            raise ValueError(f"KV cache of {kv.num_layers} layers x {kv.heads} heads x {kv.head_dim} was not made "
+                             f"for this model")
         kv.check_slots(slots)
         if slots.numel() != x.shape[0]:
             raise ValueError(f"{x.shape[0]} rows but {slots.numel()} slots")

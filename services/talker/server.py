@@ -335,7 +335,7 @@ class TalkerService:
             # Loading is heavy; keep the loop free (nothing else runs yet, but signals still work).
             self.engine = await asyncio.to_thread(
                 eng.TalkerEngine.from_checkpoint, paths, cfg.slots, device=cfg.device, dtype=cfg.torch_dtype,
-                context=cfg.context or None, kv_fp8=cfg.kv_fp8, cuda_graph=cfg.cuda_graph,
+                context=cfg.context or None, kv_bits=cfg.kv_storage_bits, cuda_graph=cfg.cuda_graph,
                 weights_fp8=cfg.weights_fp8, alignment=cfg.alignment,
                 step_ahead=cfg.alignment == "personaplex")  # clock.py: step k runs once input k-1 is in
         elif self.engine.num_slots != cfg.slots:
