@@ -10,6 +10,7 @@ A real stack (encoder, talker, decoder, gateway; two slots) and Realtime clients
 
 from __future__ import annotations
 
+import socket
 import time
 import urllib.request
 
@@ -151,3 +152,24 @@ def test_a_burst_beyond_the_prefill_bound_is_refused_up_front_and_admitted_calle
         first.close()
         assert talker_counter(s, "duplex_talker_prefill_busy_refusals_total") == len(burst)
         assert_nothing_leaked(s, baseline)
+
+
+def test_dropping_the_connection_mid_reprime_leaves_no_slot_taken(stack):
+    """The probe's attack (issue 31, defect 1): open with ?model=, send three persona changes and drop
+    the TCP connection 50 ms later, again and again. Every slot comes back, and two real users then
+    take both slots."""
+    baseline = leak_baseline(stack)
+    for i in range(4):
+        rt = sdk_connect(stack)
+        for k in range(3):
+            rt.send({"type": "session.update", "session": {"instructions": f"You are persona {i}.{k}."}})
+        time.sleep(0.05)
+        rt.ws.socket.shutdown(socket.SHUT_RDWR)
+        rt.ws.socket.close()
+    assert_nothing_leaked(stack, baseline)
+    users = [sdk_connect(stack) for _ in range(2)]
+    for rt in users:
+        rt.send({"type": "session.update", "session": {"instructions": "You are real."}})
+        assert rt.next_reply(60)["type"] == "session.updated"
+        rt.close()
+    assert_nothing_leaked(stack, baseline)
