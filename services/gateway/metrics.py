@@ -44,7 +44,8 @@ class GatewayMetrics:
         self.sessions_refused = Counter("gateway_sessions_refused_total", "Sessions refused at open",
                                         ["protocol", "code"], registry=r)
         self.frames_in = Counter("gateway_frames_in_total",
-                                 "Input frames handed to an encoder (or held for it until the prompt is live)", registry=r)
+                                 "Input frames handed to an encoder (or held for it until the prompt is live)",
+                                 registry=r)
         self.frames_out = Counter("gateway_frames_out_total", "Output frames sent to clients", registry=r)
         self.frame_latency = Histogram(
             "gateway_frame_latency_seconds", "Input frame to encoder -> its output PCM at the gateway",
