@@ -236,11 +236,13 @@ class RealtimeSession(ClientSession):
     def on_prime_refused(self, prime: int, err: RelayError) -> None:
         """The talker refused an update's settings (an unknown voice, say): that update gets the typed
         error, and the session goes on with the settings it had."""
-        for n, event_id in [e for e in self._waiting if e[0] == prime]:
-            self.send_error(err.error_type, err.code, err.message, event_id, param="session")
-        self._waiting = [e for e in self._waiting if e[0] != prime]
         self._prime_settings.pop(prime, None)
-        self.settings = self._prime_settings[max(self._prime_settings)]
+        kept = max(self._prime_settings)
+        asked = [e for e in self._waiting if e[0] == prime]
+        if asked:  # the update that asked for it; later ones that only waited for it wait for the kept prompt
+            self.send_error(err.error_type, err.code, err.message, asked[0][1], param="session")
+        self._waiting = [e for e in self._waiting if e[0] != prime] + [(kept, ev) for _, ev in asked[1:]]
+        self.settings = self._prime_settings[kept]
 
     async def _on_heartbeat(self, event: dict) -> None:
         self.emit(heartbeat_ack(event))
