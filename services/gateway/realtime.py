@@ -75,6 +75,8 @@ class RealtimeSession(ClientSession):
         self._waiting: list[tuple[int, str | None]] = []
         self._prime_settings: dict[int, SessionSettings] = {}  # the settings of each prime not refused (0: the open)
         self._announced = False  # a session.updated went out for a live prompt
+        self._refused_key: tuple | None = None  # the runtime settings the talker last refused
+        self._last_refusal: tuple[str, str] | None = None  # (code, message) of the last prime refusal sent
         self._reprimes: collections.deque[float] = collections.deque()  # when recent prompt changes came
         self._handlers = {
             "session.update": self._on_session_update,
@@ -181,6 +183,14 @@ class RealtimeSession(ClientSession):
         if self.audio_started:
             self._settle_after_audio(event["session"], new)
             return
+        if new.runtime_key() == self._refused_key:
+            # The talker just refused these settings and said so once; a repeat is answered with the
+            # settings in effect (the session object shows them), not with a second refusal.
+            if self.relay.live:
+                self.emit({"type": "session.updated", "session": self._session_object()})
+            else:
+                self._waiting.append((self.relay.primes, event_id))
+            return
         if new.runtime_key() != self.settings.runtime_key():
             self._waiting.append((await self._reprime(new), event_id))  # answered once its prompt is live
             return
@@ -236,12 +246,18 @@ class RealtimeSession(ClientSession):
     def on_prime_refused(self, prime: int, err: RelayError) -> None:
         """The talker refused an update's settings (an unknown voice, say): that update gets the typed
         error, and the session goes on with the settings it had."""
-        self._prime_settings.pop(prime, None)
+        refused = self._prime_settings.pop(prime, None)
+        if refused is not None:
+            self._refused_key = refused.runtime_key()
         kept = max(self._prime_settings)
         asked = [e for e in self._waiting if e[0] == prime]
-        if asked:  # the update that asked for it; later ones that only waited for it wait for the kept prompt
+        # The update that asked for it gets the error (once per distinct refusal: an update sent before the
+        # first refusal came back carries the same refused voice); the others wait for the kept prompt.
+        first = 1 if asked and (err.code, err.message) != self._last_refusal else 0
+        if first:
             self.send_error(err.error_type, err.code, err.message, asked[0][1], param="session")
-        self._waiting = [e for e in self._waiting if e[0] != prime] + [(kept, ev) for _, ev in asked[1:]]
+        self._last_refusal = (err.code, err.message)
+        self._waiting = [e for e in self._waiting if e[0] != prime] + [(kept, ev) for _, ev in asked[first:]]
         self.settings = self._prime_settings[kept]
 
     async def _on_heartbeat(self, event: dict) -> None:
