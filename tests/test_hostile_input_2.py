@@ -221,6 +221,21 @@ def ws_handshake(gw, headers: dict, rcvbuf: int = 4096) -> socket.socket:
     return s
 
 
+def send_on_each(socks: list[socket.socket], send) -> None:
+    """send(sock) on every socket at once, a thread each; a send the server cut off (OSError) is the point."""
+    def run(sock: socket.socket) -> None:
+        try:
+            send(sock)
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=run, args=(sock,)) for sock in socks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 def masked_frame(opcode: int, payload: bytes) -> bytes:
     """One client frame (FIN set, masked as RFC 6455 requires of a client)."""
     n = len(payload)
@@ -341,18 +356,7 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_aborted_and_costs_no_mem
         sync_connect(gw.ws_url, additional_headers=AUTH, open_timeout=30)
     assert busy.value.response.status_code == 503
 
-    def flood(s: socket.socket) -> None:
-        try:
-            for _ in range(200):
-                s.sendall(ping * 100)
-        except OSError:  # aborted: the point
-            pass
-
-    threads = [threading.Thread(target=flood, args=(s,)) for s in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    send_on_each(clients, lambda sock: [sock.sendall(ping * 100) for _ in range(200)])
     took = time.monotonic() - t0
     assert wait_until(lambda: established(gw.port) <= base_sockets, 10), (established(gw.port), base_sockets)
     gone = time.monotonic() - t0
@@ -433,18 +437,11 @@ def test_closes_behind_unread_output_have_a_deadline_and_the_cap_counts_closing_
     prober.start()
 
     def ask(sock: socket.socket) -> None:
-        try:
-            for i in range(20):
-                send_event(sock, {"type": "conversation.item.create",
-                                  "item": {"id": f"c{i}", "type": "message", "role": "user", "content": parts}})
-        except OSError:
-            pass
+        for i in range(20):
+            send_event(sock, {"type": "conversation.item.create",
+                              "item": {"id": f"c{i}", "type": "message", "role": "user", "content": parts}})
 
-    askers = [threading.Thread(target=ask, args=(ws,)) for ws in clients]
-    for t in askers:
-        t.start()
-    for t in askers:
-        t.join(60)
+    send_on_each(clients, ask)
     gone = wait_until(lambda: established(gw.port) <= base_sockets + len(extra), 20)
     took = time.monotonic() - t0
     done.set()
@@ -486,17 +483,7 @@ def test_unauthenticated_uploads_are_answered_before_their_body_and_cost_no_memo
             assert (got, body["error"]["code"]) == (status, code), reply[:300]
             socks.append(s)
 
-        def send_body(s: socket.socket) -> None:
-            try:
-                s.sendall(b"\0" * (10 * 1024 * 1024 - 1))
-            except OSError:  # closed after close_timeout: fine
-                pass
-
-        threads = [threading.Thread(target=send_body, args=(s,)) for s in socks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        send_on_each(socks, lambda sock: sock.sendall(b"\0" * (10 * 1024 * 1024 - 1)))
         grown = rss_mb(pid) - rss0
         for s in socks:
             s.close()
