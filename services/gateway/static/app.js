@@ -118,11 +118,18 @@ const VOICE_NAME = /^([A-Za-z0-9][A-Za-z0-9_-]{0,63}\.(pt|wav|flac|mp3|ogg)|[A-Z
 
 async function loadVoices(select) {
   const list = $("voice");
-  let reply;
+  const reply = { data: [], upload: false };
   try {
-    const r = await fetch("/v1/voices", { cache: "no-store" });
-    if (!r.ok) throw new Error(`HTTP ${r.status}`);
-    reply = await r.json();
+    let after = "";
+    for (let page = 0; page < 20; page++) { // the list comes in pages (has_more, last_id)
+      const r = await fetch(after ? `/v1/voices?after=${encodeURIComponent(after)}` : "/v1/voices", { cache: "no-store" });
+      if (!r.ok) throw new Error(`HTTP ${r.status}`);
+      const part = await r.json();
+      reply.data.push(...part.data);
+      reply.upload = part.upload;
+      if (!part.has_more) break;
+      after = part.last_id;
+    }
   } catch (err) {
     showError(`the voice list could not be loaded (${err.message || err}): NATF2.pt is offered`);
     return;
