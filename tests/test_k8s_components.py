@@ -20,7 +20,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -32,10 +31,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.common.metrics import StageMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.talker.metrics import TalkerMetrics
+from tests.debian_packages import ensure_program
 from tests.test_k8s import (CELL, COMMON_RULES, GATEWAY, K8S, containers, find, kn, of_kind, pod_labels, pod_spec,
                             render, schema_problems, selects)
 
 SCHEMAS = Path(__file__).resolve().parent / "k8s_schemas"
+PROMTOOL = Path("/usr/bin/promtool")  # Debian's prometheus package
 CUSTOM_GROUPS = ("gateway.networking.k8s.io", "monitoring.coreos.com")
 LONGEST_CALL_S = 3600  # the proxy's request timeouts must let a call this long through
 DASHBOARD_TOPICS = {  # what an operator must see, by the metric that shows it
@@ -70,20 +71,7 @@ def docs(tmp_path_factory) -> list[dict]:
 
 
 def ensure_promtool() -> str:
-    """Debian's promtool, installed with apt-get when missing (CI runs as root on Debian)."""
-    found = shutil.which("promtool")
-    if found:
-        return found
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.fail("promtool is missing and cannot be installed here (needs root and apt-get): apt-get install "
-                    "prometheus")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
-        done = subprocess.run(install, env=env, capture_output=True, text=True)
-        assert done.returncode == 0, f"apt-get install prometheus failed:\n{done.stderr[-2000:]}"
-    return shutil.which("promtool") or pytest.fail("apt-get installed prometheus but promtool is not on PATH")
+    return str(ensure_program(PROMTOOL, "prometheus"))
 
 
 # ---------------------------------------------------------------- what the services export
