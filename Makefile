@@ -10,6 +10,8 @@ FWVENV  ?= .venv-frameworks
 FWDEP   := $(FWVENV)/.installed
 NODECLI := tests/frameworks/node
 NODEDEP := $(NODECLI)/node_modules/.installed
+K8SSCH  := tests/k8s_schemas
+K8SDEP  := $(K8SSCH)/node_modules/.installed
 STUBS   := duplex/v1/talker_pb2_grpc.py
 PROTOS  := $(wildcard protos/duplex/v1/*.proto)
 
@@ -18,12 +20,12 @@ ARGS    ?=
 # Options for pytest, e.g. `make test PYTEST_ARGS="-k mimi -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: run test lint setup setup-test setup-frameworks setup-node-clients stubs checkpoint clean
+.PHONY: run test lint setup setup-test setup-frameworks setup-node-clients setup-k8s-schemas stubs checkpoint clean
 
 run: setup stubs
 	$(PY) -m tools.run_stack $(ARGS)
 
-test: setup-test lint setup-frameworks setup-node-clients stubs
+test: setup-test lint setup-frameworks setup-node-clients setup-k8s-schemas stubs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff with pyproject's [tool.ruff] (120 columns, pycodestyle + pyflakes); any finding fails the build.
@@ -34,6 +36,7 @@ setup: $(RUNTIME)
 setup-test: $(TESTDEP)
 setup-frameworks: $(FWDEP)
 setup-node-clients: $(NODEDEP)
+setup-k8s-schemas: $(K8SDEP)
 
 # CPU machines install the local torch 2.13.0 build first (a range would pull a
 # multi-GB CUDA build); the GPU image's own torch is used there instead.
@@ -64,6 +67,12 @@ $(FWDEP): pyproject.toml
 # tests/frameworks/node/package-lock.json pins, from the npm registry into its git-ignored node_modules.
 $(NODEDEP): $(NODECLI)/package.json $(NODECLI)/package-lock.json
 	cd $(NODECLI) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Test-only: the Gateway API and Prometheus Operator models (and TypeScript) that tests/test_k8s_components.py
+# validates k8s/components against, pinned by tests/k8s_schemas/package-lock.json.
+$(K8SDEP): $(K8SSCH)/package.json $(K8SSCH)/package-lock.json
+	cd $(K8SSCH) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 # gRPC stubs are generated from protos/ at install time, never committed.

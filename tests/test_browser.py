@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import ssl
-import subprocess
 import threading
 import time
 import urllib.request
@@ -35,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.debian_packages import ensure_program
 from tools.run_stack import GatewayProcess, Stack
 from tools.tls_cert import make_local_tls, spki_sha256
 
@@ -46,20 +44,8 @@ INSECURE_HOST = "insecure.test"
 
 
 def ensure_chromium() -> Path:
-    """Debian's chromium, installed with apt-get when missing (CI runs as root on Debian)."""
-    if CHROMIUM.exists():
-        return CHROMIUM
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.fail(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): apt-get install -y "
-                    "chromium")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
-        done = subprocess.run(install, env=env, capture_output=True, text=True)
-        assert done.returncode == 0, f"apt-get install chromium failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-    assert CHROMIUM.exists(), "apt-get installed chromium but /usr/bin/chromium is not there"
-    return CHROMIUM
+    """Debian's chromium, installed with apt-get when missing."""
+    return ensure_program(CHROMIUM, "chromium")
 
 
 def write_speech_like_wav(path: Path, seconds: float = 4.0, rate: int = 48_000) -> Path:

@@ -21,7 +21,7 @@ import sphn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.realtime_client import FRAME, RT, SR, pcm16_b64, tone
+from tests.realtime_client import FRAME, RT, SR, eventually, pcm16_b64, tone
 from tools.procs import REPO_ROOT, free_port
 from tools.run_stack import GatewayProcess, Stack
 
@@ -566,6 +566,24 @@ async def test_mid_call_persona_update_retrieve_and_one_interruption_in_two_even
         await feed
     await rt.close()
     assert [e["error"]["code"] for e in rt.of("error")] == ["item_retrieve_invalid_item_id"]
+
+
+async def test_the_log_names_the_client_a_trusted_proxy_forwarded_for(stack):
+    """X-Forwarded-For names the client in the gateway's log only when the peer is a --trusted-proxies
+    address; from anyone else the header is ignored and the peer is logged."""
+    forged = {"X-Forwarded-For": "198.51.100.7"}
+    proxied = GatewayProcess(stack.cell_procs[0].spec, args=[*GATEWAY_ARGS, "--trusted-proxies", "127.0.0.0/8"])
+    proxied.start()
+    try:
+        for gw in (proxied, stack.gateway):
+            rt = await RT.connect(gw.ws_url, headers=forged)
+            await rt.open()
+            await rt.close()
+        assert await eventually(lambda: "from 198.51.100.7" in proxied.log_tail(20_000), 10), proxied.log_tail()
+    finally:
+        proxied.stop()
+    lines = [line for line in stack.gateway.log_tail(200_000).splitlines() if "/v1/realtime sess" in line]
+    assert lines and lines[-1].endswith("from 127.0.0.1"), lines[-3:]
 
 
 async def test_zz_draining_cell_gets_no_new_session(stack):

@@ -11,6 +11,7 @@ from typing import Mapping
 
 from services.common.config import load_config, option
 from services.gateway import tls
+from services.gateway.client_address import Network, parse_networks
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API_KEY_ENV = "PERSONAPLEX_GATEWAY_API_KEY"
@@ -209,6 +210,9 @@ class GatewayConfig:
     # https and wss on the same port (services/gateway/tls.py); both or neither.
     tls_cert: str = option("", help="PEM certificate chain for https/wss on --port (with --tls-key; '' = plain)")
     tls_key: str = option("", help="PEM private key of --tls-cert")
+    # A proxy in front (ingress) names the client in X-Forwarded-For; believed only from these peers.
+    trusted_proxies: tuple[Network, ...] = option(
+        (), parse=parse_networks, help="CIDRs of proxies whose X-Forwarded-For names the client in logs ('' = none)")
     static_dir: Path = option(STATIC_DIR, help="the browser page's files")
     # Voice enrollment (services/gateway/voices.py).
     voice_upload: bool = option(False, help="enable PUT/DELETE /v1/voices/NAME (needs the API key)")

@@ -36,6 +36,7 @@ from websockets.http11 import Request, Response
 from services.gateway import auth, tls
 from services.gateway.admission import Releases
 from services.gateway.cells import CellPool
+from services.gateway.client_address import client_address
 from services.gateway.client_connection import Limits, OpenSockets, connection_factory
 from services.gateway.config import GatewayConfig
 from services.gateway.http_requests import BodyBudget, error_response, json_response, response
@@ -241,6 +242,9 @@ class Gateway:
         url = urlsplit(ws.request.path)
         query = dict(parse_qsl(url.query))
         session = RealtimeSession(ws, self, query) if url.path == "/v1/realtime" else NativeSession(ws, self, query)
+        peer = ws.remote_address[0] if ws.remote_address else None
+        log.info("%s %s from %s", url.path, session.session_id,
+                 client_address(peer, ws.request.headers.get_all("X-Forwarded-For"), self.config.trusted_proxies))
         self.metrics.websockets_taken.inc()
         self.metrics.websockets_open.inc()
         try:
