@@ -143,6 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     user = torch.randint(0, cfg.card, (args.frames, args.batch, AGENT_CODEBOOKS), generator=g).to(device)
     prev = torch.full((args.batch, 1 + AGENT_CODEBOOKS), cfg.card, device=device)  # the initial tokens
     prev[:, 0] = cfg.text_card
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("quality_tiny_cpu.json" if args.tiny else "quality.json")
+
+    def save() -> dict:  # after every 250 frames too: a run cut short keeps what it measured
+        rows = {c.name: c.result() for c in configs}
+        path.write_text(json.dumps({
+            "gpu": "cpu (tiny model)" if args.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "model": "tiny" if args.tiny else "full", "compute_dtype": str(model.dtype), "context": cfg.context,
+            "batch": args.batch, "prefill_frames": prefill, "live_frames": configs[0].frames,
+            "reference": f"{model.dtype} weights and KV ring", "seconds": round(time.perf_counter() - t0, 1),
+            "configs": rows}, indent=2))
+        return rows
+
     for t in range(args.frames):
         tokens = torch.cat([prev, user[t]], dim=1)[:, None]  # [B, 1, 17]
         ref = reference.frame(tokens)
@@ -150,25 +164,17 @@ def main(argv: list[str] | None = None) -> int:
             c.score(c.frame(tokens), ref)
         prev = ref[3]
         if (t + 1) % 250 == 0:
+            save()
             log(f"frame {t + 1}/{args.frames}: " + ", ".join(f"{c.name} {c.tokens_agree / c.tokens:.4f}"
                                                               for c in configs))
-    rows = {c.name: c.result() for c in configs}
+    rows = save()
     print(f"\n{'configuration':>22} {'tokens':>8} {'text':>7} {'attn err mean/max':>18} {'KL text':>9} "
           f"{'KL audio0':>9}")
     for name, r in rows.items():
         print(f"{name:>22} {r['token_agreement']:8.2%} {r['text_agreement']:7.2%} "
               f"{r['attn_rel_err_mean']:8.3f} / {r['attn_rel_err_max']:.3f} {r['text_logits_kl']:9.2e} "
               f"{r['audio0_logits_kl']:9.2e}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "quality_tiny_cpu.json" if args.tiny else "quality.json"
-    result = {"gpu": "cpu (tiny model)" if args.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
-              "model": "tiny" if args.tiny else "full", "compute_dtype": str(model.dtype), "context": cfg.context,
-              "batch": args.batch, "prefill_frames": prefill, "live_frames": args.frames,
-              "reference": f"{model.dtype} weights and KV ring", "seconds": round(time.perf_counter() - t0, 1),
-              "configs": rows}
-    (out / name).write_text(json.dumps(result, indent=2))
-    log(f"wrote {out / name}")
+    log(f"wrote {path}")
     return 0
 
 

@@ -278,6 +278,20 @@ def main(argv: list[str] | None = None) -> int:
         reserve = torch.empty(int(args.reserve_gb * GB), dtype=torch.uint8, device="cuda")
     batches = [int(b) for b in args.batches.split(",") if b] + [int(b) for b in args.extra_batches.split(",") if b]
     largest = None
+
+    def save() -> list[dict]:  # after every batch too: a run cut short keeps what it measured
+        table = sorted(rows.values(), key=lambda r: r["batch"])
+        (out / f"{args.name}.json").write_text(json.dumps({
+            "gpu": "smoke (cpu)" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "kv": KV_NAMES[args.kv_bits], "kv4_launch": kv_int4.LAUNCH._asdict() if args.kv_bits == 4 else None,
+            "reserve_gb": args.reserve_gb, "gpu_memory_gb": 0.0 if args.smoke else torch.cuda.mem_get_info()[1] / GB,
+            "weights_fp8": args.weights_fp8, "compile": args.compile and not args.smoke,
+            "context": cfg.context, "steps_per_point": args.steps, "copy_bandwidth_tbs": bw / 1e12,
+            "weights_read_gb": w_bytes / GB, "kv_bytes_per_position": kv_pos, "largest_batch_that_fits": largest,
+            "rows": table,
+        }, indent=2))
+        return table
+
     for B in batches:
         gc.collect()
         if not args.smoke:
@@ -296,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         row = rows.setdefault(B, {"batch": B})
         row.update({f"ours_{k.replace('_ms', '')}": v for k, v in r.items()})
         row["floor_ms"] = floor
+        save()
 
-    table = sorted(rows.values(), key=lambda r: r["batch"])
+    del reserve
+    table = save()
     print()
     print(f"{'B':>5} {'ours med':>9} {'ours p99':>9} {'ref med':>8} {'ref p99':>8} {'floor':>7} "
           f"{'ours/floor':>10} {'ref/ours':>8} {'mem GB':>7}")
@@ -312,17 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{r['ref_p99'] / r['ours_p99']:8.2f}" if r.get("ref_p99") and r.get("ours_p99") else f"{'-':>8}"
         print(f"{r['batch']:>5} {f('ours_median', 9)} {f('ours_p99', 9)} {f('ref_median')} {f('ref_p99')} "
               f"{f('floor_ms', 7)} {ratio} {vs} {f('ours_peak_mem_gb', 7)}")
-    result = {
-        "gpu": "smoke (cpu)" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-        "kv": KV_NAMES[args.kv_bits], "kv4_launch": kv_int4.LAUNCH._asdict() if args.kv_bits == 4 else None,
-        "reserve_gb": args.reserve_gb, "gpu_memory_gb": 0.0 if args.smoke else torch.cuda.mem_get_info()[1] / GB,
-        "weights_fp8": args.weights_fp8, "compile": args.compile and not args.smoke,
-        "context": cfg.context, "steps_per_point": args.steps, "copy_bandwidth_tbs": bw / 1e12,
-        "weights_read_gb": w_bytes / GB, "kv_bytes_per_position": kv_pos, "largest_batch_that_fits": largest,
-        "rows": table,
-    }
-    del reserve
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
     plot(table, out / f"{args.name}.png", KV_NAMES[args.kv_bits])
     log(f"wrote {out / args.name}.json and .png")
     return 0
