@@ -19,10 +19,11 @@ The format, for each key or value vector of one (slot, head, position), D = head
     frames, so it needs a full-precision window of the newest frames until G have arrived and a flush inside
     every step, a second kind of entry for the kernel, the prefill read, the voice prefix copy and the idle-row
     restore. After the rotation there are no outlier channels left for per-channel groups to isolate.
-  - Two groups per vector, not one: on the tiny model, teacher-forced greedy agreement over 500 frames was
-    94.3 % with halves and 92.8 % with whole vectors (fp8: 97.6 %); halves cost 4 more bytes per vector, and the
-    capacity beside the codecs goes from about 320 to about 300 sessions (bench/RESULTS.md).
-  - Asymmetric (a minimum, 16 levels) rather than symmetric (+-7 around 0, 15 levels): 94.3 % against 91.0 %.
+  - Two groups per vector, not one: on the tiny model (tests/test_kv4.py's guard: teacher-forced greedy agreement
+    over 500 frames, a ring of 32), 93.6 % with halves and 92.5 % with whole vectors (fp8: 97.6 %). Halves cost 4
+    more bytes per vector: about 300 full-context sessions beside the codecs instead of about 320 (estimated from
+    the fp8 measurements, bench/RESULTS.md).
+  - Asymmetric (a minimum, 16 levels) rather than symmetric (+-7 around 0, 15 levels): 93.6 % against 92.0 %.
 * Packing: byte i of a vector holds channel i's code in its low nibble and channel i + D/2's in its high one, so
   the low nibbles are exactly group 0 and the high ones group 1: the kernel splits a tile with a mask and a
   shift, and each half meets its own contiguous half of the query.
@@ -179,8 +180,8 @@ class Launch(NamedTuple):
     exact_bits: bool
 
 
-# The fastest of bench/attention_check.py's sweep at 288 full-context slots (bench/RESULTS.md); a benchmark may set
-# another for its run (bench.talker --kv4-launch).
+# A first choice, not yet timed on the GPU: bench/kv4.sh sweeps the launch settings at 288 full-context slots
+# (bench.attention_check) and runs bench.talker with the fastest (--kv4-launch sets this for a run).
 LAUNCH = Launch(block_n=128, num_warps=4, num_stages=2, exact_bits=True)
 
 
