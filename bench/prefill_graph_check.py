@@ -1,19 +1,21 @@
 """GPU check: the CUDA-graphed talker (graphed step, graphed prefill chunks, prefill queued behind
 a running step) gives exactly what the eager engine gives. CPU tests cannot run CUDA graphs.
 
-    python -m bench.prefill_graph_check        # exits 1 on any difference
+    python -m bench.prefill_graph_check [--kv-bits 32,8,4]       # exits 1 on any difference
 
-The tiny checkpoint in fp32 on the GPU, both alignments, fp32 and fp8 KV: a session in slot 0 is live and steps
+The tiny checkpoint in fp32 on the GPU, both alignments, fp32, fp8 and 4-bit KV: a session in slot 0 is live and steps
 while a session with a voice and a persona prefills in slot 2, three frames per step (so prompt
 chunks run between steps, each padded to the graph's 4-frame chunk, reading 8, 16, then all ring
 entries as the prompt grows); then both talk for 30 frames. Compared: every output token and
-code of both sessions, the written part of slot 2's KV ring and its length after the prompt. The
+code of both sessions, the written part of slot 2's KV ring (as `read` gives it: every layer's keys
+and values, dequantized) and its length after the prompt. The
 graphed run also checks that slot 2's begin() and chunks never wait for the GPU (they ride a
 running step in the service): any host sync raises there.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -47,8 +49,8 @@ def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor, no_sync: bool
     return results
 
 
-def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool, alignment: str) -> tuple[list, torch.Tensor, int]:
-    eng = TalkerEngine.from_checkpoint(paths, slots=3, device="cuda", dtype=torch.float32, kv_fp8=kv_fp8,
+def run(paths: CheckpointPaths, kv_bits: int | None, graphed: bool, alignment: str) -> tuple[list, torch.Tensor, int]:
+    eng = TalkerEngine.from_checkpoint(paths, slots=3, device="cuda", dtype=torch.float32, kv_bits=kv_bits,
                                        cuda_graph=graphed, alignment=alignment)
     eng.prefill_graph_frames = 4  # several padded chunks per prompt ...
     eng.prefill_graph_windows = (8, 16)  # ... run by each captured window in turn, then the whole-ring one
@@ -59,7 +61,9 @@ def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool, alignment: str) -> 
     outs, t = [r.agent_codes[0].tolist() for r in results], len(results)
     length = int(eng.kv.length[2])
     # The written positions only: past them a graphed chunk leaves its padding (never read).
-    kv2 = torch.cat([eng.kv.k[:, 2, :, :length].float().flatten(), eng.kv.v[:, 2, :, :length].float().flatten()]).cpu()
+    slot2 = eng.kv.slot_index(2)
+    kv2 = torch.cat([t.flatten() for layer in range(eng.kv.num_layers)
+                     for t in eng.kv.read(layer, slot2, torch.float32, entries=length)]).cpu()
     both = torch.tensor([True, False, True])
     for _ in range(30):
         r = eng.step(frames[t], both)
@@ -68,22 +72,27 @@ def run(paths: CheckpointPaths, kv_fp8: bool, graphed: bool, alignment: str) -> 
     return outs, kv2, length
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv-bits", default="32,8,4", help="the rings to check: 32 (the fp32 compute dtype), 8, 4")
+    args = ap.parse_args(argv)
+    rings = [None if b == "32" else int(b) for b in args.kv_bits.split(",")]
     if not torch.cuda.is_available():
         print("bench.prefill_graph_check needs a CUDA GPU", file=sys.stderr)
         return 2
     paths = CheckpointPaths.open(ensure_checkpoint("tiny", seed=0))
     ok = True
-    for alignment, kv_fp8 in ((a, f) for a in ("personaplex", "moshi") for f in (False, True)):
-        eager_out, eager_kv, eager_len = run(paths, kv_fp8, graphed=False, alignment=alignment)
-        graph_out, graph_kv, graph_len = run(paths, kv_fp8, graphed=True, alignment=alignment)
+    for alignment, kv_bits in ((a, b) for a in ("personaplex", "moshi") for b in rings):
+        eager_out, eager_kv, eager_len = run(paths, kv_bits, graphed=False, alignment=alignment)
+        graph_out, graph_kv, graph_len = run(paths, kv_bits, graphed=True, alignment=alignment)
         same_out = eager_out == graph_out
         kv_err = float((graph_kv - eager_kv).abs().max())
         good = same_out and eager_len == graph_len and kv_err <= 1e-4
         ok &= good
         first_diff = next((i for i, (a, b) in enumerate(zip(eager_out, graph_out)) if a != b), None)
-        print(f"{alignment} kv_fp8={kv_fp8}: outputs identical {same_out} (first difference at step {first_diff}), "
-              f"slot length {graph_len} vs {eager_len}, KV max abs diff {kv_err:.2e}: {'PASS' if good else 'FAIL'}")
+        print(f"{alignment} kv_bits={kv_bits or 32}: outputs identical {same_out} (first difference at step "
+              f"{first_diff}), slot length {graph_len} vs {eager_len}, KV max abs diff {kv_err:.2e}: "
+              f"{'PASS' if good else 'FAIL'}")
     return 0 if ok else 1
 
 

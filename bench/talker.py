@@ -1,20 +1,23 @@
 """Talker frame time on one GPU: ours against moshi 0.2.13's LMGen and the bandwidth floor.
 
     python -m bench.talker [--batches 1,8,32,64,96,128,160] [--ref-batches 1,8,32,64] [--out bench/results]
+    python -m bench.talker --kv-bits 4 --batches 1,64,160,288 --extra-batches 304,320 --reserve-gb 5.7 --name talker_kv4
 
 Random weights at the real PersonaPlex-7B shapes, bf16, created directly on the GPU.
 Every slot is live and at full context (3000 frames in its KV ring), which is the worst
 case for a frame: attention reads every valid ring entry.
 
-* ours: `TalkerEngine` with fp8 KV (per-vector scales), the in-place decode-attention
-  kernel, 8 depformer steps, the whole frame captured as one CUDA graph (embedding, 32
-  layers, text sampling, 8 depformer steps with sampling, token-history update).
+* ours: `TalkerEngine` with fp8 KV (per-vector scales; --kv-bits 4: the 4-bit ring), the in-place
+  decode-attention kernel, 8 depformer steps, the whole frame captured as one CUDA graph (embedding,
+  32 layers, text sampling, 8 depformer steps with sampling, token-history update).
 * reference: moshi 0.2.13 `LMGen` (its own CUDA graphs, bf16 KV, 16 depformer steps), at
   the batch sizes that fit, in the same process on the same weights.
 * floor: bytes a frame must read (resident weights + every valid KV entry) / measured copy
   bandwidth.
 
-Prints a table and writes `talker.json` and `talker.png` under --out.
+--reserve-gb holds that much GPU memory while ours runs, a stand-in for the codecs beside the talker in
+the cell: the largest batch that fits is then the largest that fits beside them.
+Prints a table and writes `<name>.json` and `<name>.png` under --out (name: talker).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")
 from services.talker.text import TextTokenizer  # noqa: E402
 from services.talker import fused  # noqa: E402
 from services.talker.engine import AGENT_CODEBOOKS, SamplingParams, TalkerEngine  # noqa: E402
+from services.talker import kv_int4  # noqa: E402
 from services.talker.model import LMConfig, LMModel  # noqa: E402
 
 GB = 1e9
@@ -105,16 +109,21 @@ def weights_bytes(model: LMModel, dep_steps: int) -> int:
     return total
 
 
-def kv_bytes_per_position(cfg: LMConfig, fp8: bool) -> float:
-    per_vec = cfg.head_dim + 2 if fp8 else 2 * cfg.head_dim  # fp8 payload + fp16 scale, or bf16
+KV_NAMES = {16: "bf16", 8: "fp8", 4: "int4"}
+
+
+def kv_bytes_per_position(cfg: LMConfig, bits: int) -> float:
+    """Bytes of one position's keys and values in every layer: bf16; fp8 payload + an fp16 scale per vector; or
+    4-bit codes + an fp16 scale and minimum per half vector (services/talker/kv_int4.py)."""
+    per_vec = {16: 2 * cfg.head_dim, 8: cfg.head_dim + 2, 4: cfg.head_dim // 2 + 2 * 2 * 2}[bits]
     return 2 * cfg.num_layers * cfg.num_heads * per_vec
 
 
-def full_context_step(model: LMModel, tok: TextTokenizer, B: int, kv_fp8: bool, cuda_graph: bool):
-    """An engine with every one of B slots live at full context, and a function that runs one
-    step of all of them on random user codes. Returns (engine, step)."""
+def full_context_step(model: LMModel, tok: TextTokenizer, B: int, kv_bits: int, cuda_graph: bool):
+    """An engine with every one of B slots live at full context (a ring of kv_bits per value: 16 is the
+    compute dtype), and a function that runs one step of all of them on random user codes. Returns (engine, step)."""
     cfg = model.cfg
-    engine = TalkerEngine(model, tok, slots=B, kv_fp8=kv_fp8, cuda_graph=cuda_graph)
+    engine = TalkerEngine(model, tok, slots=B, kv_bits=None if kv_bits == 16 else kv_bits, cuda_graph=cuda_graph)
     # The ring's contents do not change the cost, its valid length does: mark every position written.
     for s in range(B):
         engine.begin(s, None, None, SamplingParams(seed=s + 1)).run(0)
@@ -129,14 +138,14 @@ def full_context_step(model: LMModel, tok: TextTokenizer, B: int, kv_fp8: bool, 
     return engine, one
 
 
-def bench_ours(model: LMModel, tok: TextTokenizer, B: int, steps: int, kv_format: str) -> dict:
+def bench_ours(model: LMModel, tok: TextTokenizer, B: int, steps: int, kv_bits: int) -> dict:
     cuda = model.device.type == "cuda"
-    engine, one = full_context_step(model, tok, B, kv_fp8=kv_format == "fp8", cuda_graph=cuda)
+    engine, one = full_context_step(model, tok, B, kv_bits, cuda_graph=cuda)
 
     timed(one, 5)
     ms = timed(one, steps)
     mem = torch.cuda.max_memory_allocated() / GB if cuda else 0.0
-    del engine
+    del engine, one  # the step closure holds the engine too; its rings must go before the next batch
     return {"median_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99), "max_ms": max(ms), "peak_mem_gb": mem}
 
 
@@ -164,7 +173,7 @@ def bench_reference(ref, B: int, steps: int) -> dict:
     return {"median_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99), "max_ms": max(ms), "peak_mem_gb": mem}
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, kv: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +188,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axhline(80, color="red", lw=0.8, label="80 ms frame budget")
     ax.set_xlabel("concurrent sessions (batch), full 3000-frame context")
     ax.set_ylabel("talker frame time (ms)")
-    ax.set_title("PersonaPlex-7B talker on one H200")
+    ax.set_title(f"PersonaPlex-7B talker on one H200, {kv} KV")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -192,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-batches", default="168,176", help="tried after --batches to find the largest that fits")
     ap.add_argument("--ref-batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--kv", default="fp8", choices=["fp8", "bf16"])
+    ap.add_argument("--kv-bits", type=int, default=8, choices=sorted(KV_NAMES), help="bits per KV value: 8 fp8, "
+                    "4 the 4-bit ring, 16 bf16")
+    ap.add_argument("--reserve-gb", type=float, default=0.0, help="GPU memory held while ours runs, for the codecs "
+                    "beside the talker (5.7 GB in the front door, bench/RESULTS.md)")
+    ap.add_argument("--kv4-launch", default=None, metavar="BLOCK_N,WARPS,STAGES,EXACT_BITS",
+                    help="the 4-bit decode kernel's launch (default: services/talker/kv_int4.py's), e.g. from "
+                         "bench.attention_check's sweep")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="talker", help="the result files' name (<name>.json, <name>.png)")
     ap.add_argument("--tokenizer", default=None, help="a SentencePiece model (default: the tiny checkpoint's)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model on the CPU: checks the script, measures nothing real")
@@ -252,17 +268,37 @@ def main(argv: list[str] | None = None) -> int:
         model.quantize_weights_fp8_()
     if args.compile and not args.smoke:
         fused.enable()  # after the reference: it is moshi's code, never ours
+    if args.kv4_launch:
+        bn, warps, stages, exact = (int(x) for x in args.kv4_launch.split(","))
+        kv_int4.LAUNCH = kv_int4.Launch(bn, warps, stages, bool(exact))
     w_bytes = weights_bytes(model, AGENT_CODEBOOKS)
-    kv_pos = kv_bytes_per_position(cfg, args.kv == "fp8")
+    kv_pos = kv_bytes_per_position(cfg, args.kv_bits)
+    reserve = None
+    if args.reserve_gb > 0 and not args.smoke:  # allocated after the reference: it runs alone
+        reserve = torch.empty(int(args.reserve_gb * GB), dtype=torch.uint8, device="cuda")
     batches = [int(b) for b in args.batches.split(",") if b] + [int(b) for b in args.extra_batches.split(",") if b]
     largest = None
+
+    def save() -> list[dict]:  # after every batch too: a run cut short keeps what it measured
+        table = sorted(rows.values(), key=lambda r: r["batch"])
+        (out / f"{args.name}.json").write_text(json.dumps({
+            "gpu": "smoke (cpu)" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "kv": KV_NAMES[args.kv_bits], "kv4_launch": kv_int4.LAUNCH._asdict() if args.kv_bits == 4 else None,
+            "reserve_gb": args.reserve_gb, "gpu_memory_gb": 0.0 if args.smoke else torch.cuda.mem_get_info()[1] / GB,
+            "weights_fp8": args.weights_fp8, "compile": args.compile and not args.smoke,
+            "context": cfg.context, "steps_per_point": args.steps, "copy_bandwidth_tbs": bw / 1e12,
+            "weights_read_gb": w_bytes / GB, "kv_bytes_per_position": kv_pos, "largest_batch_that_fits": largest,
+            "rows": table,
+        }, indent=2))
+        return table
+
     for B in batches:
         gc.collect()
         if not args.smoke:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
-            r = bench_ours(model, tok, B, args.steps, args.kv)
+            r = bench_ours(model, tok, B, args.steps, args.kv_bits)
         except torch.OutOfMemoryError:
             log(f"ours B={B}: out of memory")
             rows.setdefault(B, {"batch": B})["ours_oom"] = True
@@ -274,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         row = rows.setdefault(B, {"batch": B})
         row.update({f"ours_{k.replace('_ms', '')}": v for k, v in r.items()})
         row["floor_ms"] = floor
+        save()
 
-    table = sorted(rows.values(), key=lambda r: r["batch"])
+    del reserve
+    table = save()
     print()
     print(f"{'B':>5} {'ours med':>9} {'ours p99':>9} {'ref med':>8} {'ref p99':>8} {'floor':>7} "
           f"{'ours/floor':>10} {'ref/ours':>8} {'mem GB':>7}")
@@ -290,16 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{r['ref_p99'] / r['ours_p99']:8.2f}" if r.get("ref_p99") and r.get("ours_p99") else f"{'-':>8}"
         print(f"{r['batch']:>5} {f('ours_median', 9)} {f('ours_p99', 9)} {f('ref_median')} {f('ref_p99')} "
               f"{f('floor_ms', 7)} {ratio} {vs} {f('ours_peak_mem_gb', 7)}")
-    result = {
-        "gpu": "smoke (cpu)" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "kv": args.kv,
-        "weights_fp8": args.weights_fp8, "compile": args.compile and not args.smoke,
-        "context": cfg.context, "steps_per_point": args.steps, "copy_bandwidth_tbs": bw / 1e12,
-        "weights_read_gb": w_bytes / GB, "kv_bytes_per_position": kv_pos, "largest_batch_that_fits": largest,
-        "rows": table,
-    }
-    (out / "talker.json").write_text(json.dumps(result, indent=2))
-    plot(table, out / "talker.png")
-    log(f"wrote {out / 'talker.json'} and {out / 'talker.png'}")
+    plot(table, out / f"{args.name}.png", KV_NAMES[args.kv_bits])
+    log(f"wrote {out / args.name}.json and .png")
     return 0
 
 

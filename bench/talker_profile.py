@@ -47,7 +47,7 @@ def kind_of(name: str) -> str:
 def profile_batch(model, tok, B: int, steps: int) -> dict:
     row: dict = {"batch": B}
     for graphed in (True, False):
-        engine, one = full_context_step(model, tok, B, kv_fp8=True, cuda_graph=graphed)
+        engine, one = full_context_step(model, tok, B, kv_bits=8, cuda_graph=graphed)
         timed(one, 5)
         ms = sorted(timed(one, 20))
         row["graphed_ms" if graphed else "eager_ms"] = round(ms[len(ms) // 2], 3)

@@ -19,10 +19,11 @@ The format, for each key or value vector of one (slot, head, position), D = head
     frames, so it needs a full-precision window of the newest frames until G have arrived and a flush inside
     every step, a second kind of entry for the kernel, the prefill read, the voice prefix copy and the idle-row
     restore. After the rotation there are no outlier channels left for per-channel groups to isolate.
-  - Two groups per vector, not one: on the tiny model, teacher-forced greedy agreement over 500 frames was
-    94.3 % with halves and 92.8 % with whole vectors (fp8: 97.6 %); halves cost 4 more bytes per vector, and the
-    capacity beside the codecs goes from about 320 to about 300 sessions (bench/RESULTS.md).
-  - Asymmetric (a minimum, 16 levels) rather than symmetric (+-7 around 0, 15 levels): 94.3 % against 91.0 %.
+  - Two groups per vector, not one: on the tiny model (tests/test_kv4.py's guard: teacher-forced greedy agreement
+    over 500 frames, a ring of 32), 93.6 % with halves and 92.5 % with whole vectors (fp8: 97.6 %). Halves cost 4
+    more bytes per vector: about 300 full-context sessions beside the codecs instead of about 320 (estimated from
+    the fp8 measurements, bench/RESULTS.md).
+  - Asymmetric (a minimum, 16 levels) rather than symmetric (+-7 around 0, 15 levels): 93.6 % against 92.0 %.
 * Packing: byte i of a vector holds channel i's code in its low nibble and channel i + D/2's in its high one, so
   the low nibbles are exactly group 0 and the high ones group 1: the kernel splits a tile with a mask and a
   shift, and each half meets its own contiguous half of the query.
@@ -44,6 +45,7 @@ scale and minimum factor out of its products, so codes are used as plain numbers
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -169,29 +171,34 @@ if triton is not None:
         tl.store(o_base + HALF + d, ((acc_hi + zero_hi) / l_i).to(OUT.dtype.element_ty))
 
 
-# Launch parameters: the fastest of bench/attention_check.py's sweep at 288 full-context slots (bench/RESULTS.md).
-BLOCK_N, NUM_WARPS, NUM_STAGES, EXACT_BITS = 128, 4, 2, True
+class Launch(NamedTuple):
+    """The kernel's launch: positions per block, warps, pipeline stages, and how codes become floats (_as_float)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    exact_bits: bool
+
+
+# A first choice, not yet timed on the GPU: bench/kv4.sh sweeps the launch settings at 288 full-context slots
+# (bench.attention_check) and runs bench.talker with the fastest (--kv4-launch sets this for a run).
+LAUNCH = Launch(block_n=128, num_warps=4, num_stages=2, exact_bits=True)
 
 
 def decode_attention_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale,
-                          block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                          exact_bits: bool | None = None):
+                          launch: Launch | None = None):
     """One query per row against its slot's 4-bit ring, in place. Triton on CUDA, torch elsewhere.
 
     q [B, H, D] (in the rotated basis); ring_k/ring_v [S, H, C, D/2] uint8 (contiguous in the last two dims);
     k_scale/k_zero/v_scale/v_zero [S, H, C, 2] fp16; slots [B]; n_valid [B] (entries 0..n_valid-1 are valid,
-    n_valid >= 1). Returns [B, H, D] in the rotated basis. No host synchronisation: safe inside a CUDA graph.
-    The launch parameters default to the module's (None), which bench.attention_check's sweep may set."""
+    n_valid >= 1). Returns [B, H, D] in the rotated basis. No host synchronisation: safe inside a CUDA graph."""
     if triton is None or not q.is_cuda:
         return decode_attention_int4_reference(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid,
                                                sm_scale)
-    return _launch(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale,
-                   BLOCK_N if block_n is None else block_n, NUM_WARPS if num_warps is None else num_warps,
-                   NUM_STAGES if num_stages is None else num_stages, EXACT_BITS if exact_bits is None else exact_bits)
+    return _launch(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale, launch or LAUNCH)
 
 
-def _launch(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale, block_n, num_warps,
-            num_stages, exact_bits):
+def _launch(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale, launch: Launch):
     B, H, D = q.shape
     out = torch.empty_like(q)
     assert ring_k.stride() == ring_v.stride() and ring_k.stride(3) == 1 and ring_k.shape[3] * 2 == D
@@ -200,6 +207,7 @@ def _launch(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid,
         q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, out, sm_scale,
         q.stride(0), q.stride(1), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), out.stride(0), out.stride(1),
-        HALF=D // 2, BLOCK_N=block_n, EXACT_BITS=exact_bits, num_warps=num_warps, num_stages=num_stages,
+        HALF=D // 2, BLOCK_N=launch.block_n, EXACT_BITS=launch.exact_bits, num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out
