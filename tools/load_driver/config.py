@@ -150,7 +150,7 @@ class DriverConfig:
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be finite and >= 0")
         check(not self.call_mean_s or self.call_mean_s >= self.call_min_s, "--call-mean-s must be 0 or >= --call-min-s")
-        check(self.call_min_s < self.hold_s, "--call-min-s must be shorter than --hold-s")
+        check(self.traffic == "together" or self.call_min_s < self.hold_s, "--call-min-s must be shorter than --hold-s")
         check(1 <= self.max_tries <= 1000, "--max-tries must be in [1, 1000]")
         if self.sessions is not None:
             check(1 <= self.sessions <= 256, "--sessions must be in [1, 256]")

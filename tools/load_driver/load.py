@@ -172,8 +172,8 @@ async def open_call(run: SessionRun, config: DriverConfig) -> None:
     open's answer is an error."""
     session = run.session
     run.tries += 1
+    run.first_try_s = run.first_try_s or time.monotonic()
     await session.connect(config.timeout_s)
-    run.first_try_s = run.first_try_s or session.connect_started_at
     first = await session.open(call_update(config), config.timeout_s, OPEN_ANSWER[config.open])
     if first["type"] == "error":
         raise SessionFailure(f"rejected at admission ({error_code_of(first) or 'unknown'})")
