@@ -1,7 +1,8 @@
 """The traffic's numbers in load-result.json: callers by status, refusals by type, time to served, first
 audio, and the steady window's latency (pure functions of the report rows).
 
-    calls   {callers, status {passed, failed, killed, refused}, killed_by {what: n},
+    calls   {callers, status {passed, failed, killed, refused}, admitted, admitted_passed, served (admitted
+             and heard audio), killed_by {what: n},
              server_error_events, refusals {total, by_type {type: n}, after_created, callers_refused,
              retries}, refused_callers_served, served_within_s, all_refused_served_in_time,
              time_to_served_ms (refused callers: first try -> first audio), first_audio_ms (first frame
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from .load import STATUSES
+from .load import PASSED, STATUSES
 from .metrics import linear_percentile, percentiles
 from .verdict import row_frame_latencies_ms
 
@@ -32,9 +33,13 @@ def calls_summary(rows: list[dict[str, Any]], served_within_s: float) -> dict[st
     in_time = [row for row in served if row["time_to_served_ms"] <= served_within_s * 1000.0]
     refusals = [r for row in rows for r in row["refusals"]]
     statuses = Counter(row["status"] for row in rows)
+    admitted = [row for row in rows if row["admitted"]]
     return {
         "callers": len(rows),
         "status": {status: statuses.get(status, 0) for status in STATUSES},
+        "admitted": len(admitted),
+        "admitted_passed": sum(row["status"] == PASSED for row in admitted),
+        "served": sum(row["time_to_served_ms"] is not None for row in admitted),
         "killed_by": dict(Counter(row["killed_by"] for row in rows if row["killed_by"])),
         "server_error_events": sum(t == "server_error" for row in rows for t in row["error_types"]),
         "refusals": {"total": len(refusals), "by_type": dict(Counter(r["type"] for r in refusals)),
