@@ -70,7 +70,7 @@ from bench.cell import (
     stop_services, wait_all_free,
 )
 from bench.cell import parse_args as cell_parse_args
-from bench.cell_report import stage_block, stage_timeline, talker_block
+from bench.cell_report import PROMPTS_STARTED, stage_block, stage_timeline, talker_block
 from bench.cell_stats import counter_by_label, counter_delta, ms_summary, parse_metrics
 from bench.frontdoor_report import checks, plot, print_table
 from tools.load_driver.__main__ import parse_args as driver_parse_args
@@ -341,10 +341,12 @@ def driver_summary(result: dict) -> dict:
 
 
 def opens_and_prompts(first: dict, last: dict) -> dict:
-    """Sessions the gateway opened, prompts the talker began (None if it does not say), and refusals by code."""
+    """Sessions the gateway opened, prompts the talker began (None if it does not say; by its `why`
+    label), and the gateway's refusals by code."""
     opens = int(counter_delta(first["gateway"], last["gateway"], "gateway_sessions_opened"))
     prompts = talker_block(first["talker"], last["talker"])["prompts_started"]
-    return {"opens": opens, "prompts_started": prompts,
+    why = counter_by_label(first["talker"], last["talker"], PROMPTS_STARTED, "why")
+    return {"opens": opens, "prompts_started": prompts, "prompts_started_by": {k: int(v) for k, v in why.items()},
             "prompts_per_open": None if prompts is None or not opens else round(prompts / opens, 3),
             "gateway_refusals": {k: int(v) for k, v in counter_by_label(first["gateway"], last["gateway"],
                                                                         "gateway_sessions_refused", "code").items()}}
@@ -372,7 +374,8 @@ async def run_one(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, 
     scraper = asyncio.create_task(scrape_loop(procs, gateway, snaps, stop))
     cycles: list[dict] = []
     probes: list[asyncio.Task] = []
-    limit_s = run_length_s(cfg, n, traffic) + cfg.served_within_s + cfg.open_timeout_s + 120
+    length_s = run_length_s(cfg, n, traffic)
+    limit_s = length_s + cfg.served_within_s + cfg.open_timeout_s + 120
     try:
         if traffic == "together":
             probes = await start_probes(cfg, gateway, lines, stop, cycles)
@@ -381,7 +384,7 @@ async def run_one(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, 
         pids = {**{s: p.proc.pid for s, p in procs.items()}, **gateway_pids(gateway)}
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
         next_note = t0 + cfg.progress_every_s
-        profiling = profile_gateway(cfg, pids, label, cfg.duration_s / 3)
+        profiling = profile_gateway(cfg, pids, label, length_s / 3)
         while driver.returncode is None:
             try:
                 await asyncio.wait_for(driver.wait(), 1.0)

@@ -41,8 +41,8 @@ def assert_rode_the_stack(run: dict) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_arrivals_with_the_sdk_open_and_churn_then_together(tmp_path):
-    result, stdout = frontdoor(tmp_path, "--traffic", "realistic,together")
+def test_arrivals_with_the_sdk_open_and_churn_then_together(tmp_path, tiny_checkpoint):
+    result, stdout = frontdoor(tmp_path, "--checkpoint", str(tiny_checkpoint), "--traffic", "realistic,together")
     real, together = result["runs"]
     assert "failed" not in real and "failed" not in together, result["runs"]
     assert result["headline_traffic"] == "realistic" and set(result["largest_passing_by_traffic"]) == {

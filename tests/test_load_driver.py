@@ -719,6 +719,9 @@ def test_a_typed_retry_later_before_any_audio_is_a_refusal():
     full = {"type": "error", "error": {"type": "rate_limit_error", "code": "resource_exhausted"}}
     late = event_refusal([created, full], [1.0, 2.0], None, None)
     assert late.after_created and late.delay_s(30.0) == FALLBACK_DELAY_S  # no delay given: 1 s
+    hinted = {"type": "error", "error": {"type": "server_error", "code": "server_busy",
+                                         "message": "the prefill queue is long: retry in 1.5 s"}}
+    assert event_refusal([hinted], [1.0], 1013, 1.1).retry_after_s == 1.5  # the stages' hint in the message
     assert event_refusal([created], [1.0], 1013, 3.0).name == "close:1013"
     audio = {"type": "response.output_audio.delta", "delta": ""}
     assert event_refusal([created, audio, full], [1.0, 1.5, 2.0], 1013, 3.0) is None  # it had been served

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from typing import Any
 
@@ -31,9 +30,8 @@ from .load import (
     SessionRun,
     Shard,
     check_alive,
-    close_politely,
     encoded_frames,
-    mark_shared_response_ids,
+    end_call,
     new_run,
     new_session,
     open_call,
@@ -42,7 +40,8 @@ from .load import (
     paced_send,
     refusal_of,
     run_load,
-    session_row,
+    shard_result,
+    wind_down,
 )
 from .refusal import Refusal, http_refusal
 from .traffic import TOGETHER, Plan, hangup_s, make_plan, next_dial_s
@@ -114,10 +113,7 @@ async def place_call(run: SessionRun, config: DriverConfig, plan: Plan, frames: 
         cancelled = True
         raise
     finally:
-        if run.cutoff_s is None:
-            run.cutoff_s = time.monotonic()
-        if run.admitted and not cancelled:
-            await close_politely(run, config.cleanup_timeout_s)
+        await end_call(run, config, cancelled)
         await run.session.close()
 
 
@@ -152,21 +148,8 @@ async def run_calls(config: DriverConfig, pcm: np.ndarray, progress=None, shard:
     try:
         await asyncio.gather(*tasks)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if progress is not None:
-            progress.stop()
-    rows = sorted((session_row(r, config) for r in runs), key=lambda row: row["index"])
-    return {
-        "frames_per_session": len(frames),
-        "stream_start_s": start,
-        "capabilities": next((r.capabilities for r in runs if r.capabilities is not None), None),
-        "shared_response_ids": mark_shared_response_ids(rows),
-        "driver_processes": [{"index": shard.index, "pid": os.getpid(), "sessions": sorted({r.line for r in runs}),
-                              "exit_code": None, "error": None}],
-        "sessions": rows,
-    }
+        await wind_down(tasks, progress)
+    return shard_result(config, runs, len(frames), start, shard, sorted({r.line for r in runs}))
 
 
 async def run_traffic(config: DriverConfig, pcm: np.ndarray, progress=None, shard: Shard = Shard(),

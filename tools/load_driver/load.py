@@ -213,16 +213,22 @@ async def drive_session(
             cancelled = True
             raise
         finally:
-            if run.cutoff_s is None:
-                run.cutoff_s = time.monotonic()
             if not run.admitted and (refusal := refusal_of(run)) is not None:
                 run.refusals.append(refusal)  # together never retries: the row says it was refused
-            if run.admitted and not cancelled:
-                await close_politely(run, config.cleanup_timeout_s)
+            await end_call(run, config, cancelled)
     finally:
         if not admitted.done():
             admitted.set_result(None)  # a failed admission must not hold the others at the barrier
         await run.session.close()
+
+
+async def end_call(run: SessionRun, config: DriverConfig, cancelled: bool) -> None:
+    """However a call ended: its observation ends now (if the drain did not end it), and an admitted
+    session is closed politely, unless the driver is being cancelled (then only the transport closes)."""
+    if run.cutoff_s is None:
+        run.cutoff_s = time.monotonic()
+    if run.admitted and not cancelled:
+        await close_politely(run, config.cleanup_timeout_s)
 
 
 async def close_politely(run: SessionRun, cleanup_timeout_s: float) -> None:
@@ -405,19 +411,29 @@ async def run_load(
         start.set_result(await start_at())
         await asyncio.gather(*tasks)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if progress is not None:
-            progress.stop()
-    rows = [session_row(r, config) for r in runs]
-    shared = mark_shared_response_ids(rows)
+        await wind_down(tasks, progress)
+    return shard_result(config, runs, len(frames), start.result(), shard, [r.index for r in runs])
+
+
+async def wind_down(tasks: list[asyncio.Task], progress) -> None:
+    """Cancel what still runs (each closes its transport), wait for all of it, stop the progress line."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if progress is not None:
+        progress.stop()
+
+
+def shard_result(config: DriverConfig, runs: list[SessionRun], frames: int, start: float, shard: Shard,
+                 sessions: list[int]) -> dict[str, Any]:
+    """A shard's result: its rows (by index), shared response ids, and its process (`sessions`: what it ran)."""
+    rows = sorted((session_row(r, config) for r in runs), key=lambda row: row["index"])
     return {
-        "frames_per_session": len(frames),
-        "stream_start_s": start.result(),
+        "frames_per_session": frames,
+        "stream_start_s": start,
         "capabilities": next((r.capabilities for r in runs if r.capabilities is not None), None),
-        "shared_response_ids": shared,
-        "driver_processes": [{"index": shard.index, "pid": os.getpid(), "sessions": [r.index for r in runs],
-                              "exit_code": None, "error": None}],
+        "shared_response_ids": mark_shared_response_ids(rows),
+        "driver_processes": [{"index": shard.index, "pid": os.getpid(), "sessions": sessions, "exit_code": None,
+                              "error": None}],
         "sessions": rows,
     }

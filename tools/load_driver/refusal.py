@@ -4,8 +4,9 @@ A try is refused when, before the caller heard any audio, the server said "not n
   - a Realtime `error` whose code is server_busy or resource_exhausted;
   - a WebSocket close with code 1013 (try again later);
   - HTTP 503 at the WebSocket handshake.
-The delay is the server's: `error.retry_after_s` (seconds) or the Retry-After header (seconds);
-without one, FALLBACK_DELAY_S. after_created says the session had been created first: an SDK open that
+The delay is the server's: `error.retry_after_s` (seconds), the hint the error's message ends with
+("... retry in 1.5 s", services/common/errors.py), or the Retry-After header (seconds); without one,
+FALLBACK_DELAY_S. after_created says the session had been created first: an SDK open that
 lost its slot at its session.update, not a refusal up front.
 Anything else that ends a try is not a refusal: before admission a failure, after it a kill or a
 failure (load.py's call_status).
@@ -16,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from services.common.errors import parse_retry_hint
 
 from .validate import AUDIO_DELTA_TYPES
 
@@ -68,7 +71,10 @@ def event_refusal(events: list[dict[str, Any]], received_at: list[float], close_
         created = created or kind == "session.created"
         body = event.get("error") if kind == "error" else None
         if isinstance(body, dict) and body.get("code") in RETRY_LATER_CODES:
-            return Refusal("error", body["code"], created, _seconds(body.get("retry_after_s")), at)
+            delay = _seconds(body.get("retry_after_s"))
+            if delay is None and isinstance(body.get("message"), str):
+                delay = parse_retry_hint(body["message"])
+            return Refusal("error", body["code"], created, delay, at)
     if close_code == RETRY_LATER_CLOSE:
         return Refusal("close", str(RETRY_LATER_CLOSE), created, None, closed_at or 0.0)
     return None
