@@ -72,7 +72,7 @@ from bench.cell import (
 from bench.cell import parse_args as cell_parse_args
 from bench.cell_report import PROMPTS_STARTED, stage_block, stage_timeline, talker_block
 from bench.cell_stats import counter_by_label, counter_delta, ms_summary, parse_metrics
-from bench.frontdoor_report import checks, plot, print_table
+from bench.frontdoor_report import TRAFFIC_NOTES, checks, plot, print_table
 from tools.load_driver.__main__ import parse_args as driver_parse_args
 from tools.load_driver.input_audio import input_signal
 from tools.load_driver.session import RealtimeSession, realtime_url, session_update
@@ -429,7 +429,8 @@ async def run_one(cfg: FrontdoorConfig, procs, gateway: GatewayProcess, n: int, 
     answered = [s for _, s in snaps if s["talker"] is not None and s["gateway"] is not None]
     if (out_dir / "load-timeline.png").is_file():
         shutil.copy(out_dir / "load-timeline.png", Path(cfg.out) / f"frontdoor-{label}-timeline.png")
-    row = {"sessions": n, "traffic": traffic, "open": cfg.open, "steady_sessions": lines if traffic != "burst" else n,
+    row = {"sessions": n, "traffic": traffic, "traffic_note": TRAFFIC_NOTES[traffic], "open": cfg.open,
+           "steady_sessions": lines if traffic != "burst" else n,
            "burst_callers": lines if traffic == "burst" else None,
            "probe_slots": cfg.probe_sessions if traffic == "together" else 0,
            "gateway_workers": len([k for k in pids if k.startswith("gateway")]),
@@ -479,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     conf = {k: ("<" + k + ">" if k in ("checkpoint", "out", "work_dir") and v and os.path.isabs(v) else v)
             for k, v in asdict(cfg).items()}
     result: dict = {"bench": "frontdoor", "mode": "smoke (cpu, tiny)" if cfg.smoke else f"{cfg.preset} on {cfg.device}",
-                    "headline_traffic": cfg.traffics[0], "config": conf,
+                    "headline_traffic": cfg.traffics[0],
+                    "traffic_notes": {t: TRAFFIC_NOTES[t] for t in cfg.traffics}, "config": conf,
                     "host": {"cpu_cores": os.cpu_count(), "gpu": gpu_state()}, "runs": []}
 
     def write() -> None:

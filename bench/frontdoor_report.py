@@ -22,6 +22,12 @@ from pathlib import Path
 import numpy as np
 
 STAGES = ("encoder", "talker", "decoder")
+# What each pattern is, in frontdoor.json and above the table.
+TRAFFIC_NOTES = {
+    "realistic": "the headline: callers arrive over time, open as the SDKs do, talk and hang up (churn)",
+    "burst": "a failover: every caller dials within a few seconds; refused ones retry",
+    "together": "a comparison, not the headline: every session opens first, then all stream from one start",
+}
 
 
 def _at_most(value, bound: float) -> bool:
@@ -66,6 +72,8 @@ def _pair(d: dict | None, a: str = "p50", b: str = "p99") -> str:
 
 def print_table(result: dict) -> None:
     print(f"\nfront door: {result['mode']}, gateway workers {result['config']['gateway_workers'] or 'default'}")
+    for traffic in dict.fromkeys(r.get("traffic") for r in result["runs"] if r.get("traffic")):
+        print(f"  {traffic}: {TRAFFIC_NOTES[traffic]}")
     print(f"{'N':>4} {'traffic':>9} {'pass':>5} {'ticks<=80':>9} {'tick p99':>8} {'e2e p50/p99':>12} "
           f"{'1st audio p50/p99':>18} {'behind p50':>10} {'refused/killed':>14} {'verdict':>8} {'gw cores':>9}")
     for r in result["runs"]:

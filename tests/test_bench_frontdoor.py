@@ -73,6 +73,7 @@ def test_arrivals_with_the_sdk_open_and_churn_then_together(tmp_path, tiny_check
     assert_rode_the_stack(real)
 
     # Together, the comparison: 2 steady sessions and a probe that calls again and again.
+    assert together["traffic_note"].startswith("a comparison") and real["traffic_note"].startswith("the headline")
     assert (together["sessions"], together["steady_sessions"], together["probe_slots"]) == (3, 2, 1)
     assert together["driver"]["sessions"] == 2 and together["driver_procs"] == 2
     assert together["e2e_ms"]["p50"] > 0 and together["e2e_ms"]["p99"] >= together["e2e_ms"]["p50"]
