@@ -2,7 +2,7 @@
 with the traffic a real server sees.
 
     # The headline, one device call (about 6-7 minutes: setup 2, realistic 160 about 2.6, burst 160 about 1.3):
-    bash bench/device.sh python3 -m bench.frontdoor --mps --full-context --sessions 160 --traffic realistic,burst \
+    bash bench/device.sh python3 -m bench.frontdoor --mps --full-context --sessions 160 --traffic realistic,burst \\
         --duration-s 60
     python -m bench.frontdoor --mps --full-context --sessions 128 --traffic realistic,burst --duration-s 60
     python -m bench.frontdoor --mps --full-context --sessions 160 --traffic together --open autostart0  # the old runs

@@ -4,9 +4,9 @@
     python -m tools.load_driver --url ... --sessions 2 --load-frames 1000 --drain-s 2 \\
         --server-revision REV --server-hardware H200 --output-dir runs/n2 --plot       # load
     python -m tools.load_driver --url ... --sessions 160 --procs 8 --output-dir runs/n160 --plot
-    python -m tools.load_driver --url ... --sessions 160 --procs 8 --traffic arrivals --open sdk \
+    python -m tools.load_driver --url ... --sessions 160 --procs 8 --traffic arrivals --open sdk \\
         --arrival-rate 2 --hold-s 60 --call-mean-s 80 --call-min-s 10 --output-dir runs/a160   # real traffic
-    python -m tools.load_driver --url ... --sessions 160 --procs 8 --traffic burst --burst-window-s 2 \
+    python -m tools.load_driver --url ... --sessions 160 --procs 8 --traffic burst --burst-window-s 2 \\
         --open sdk --output-dir runs/b160                                                    # a failover
 
 Load mode: `--procs K` (default 1; `auto` = one process per 20 sessions, at most one per CPU) runs the
