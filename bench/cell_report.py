@@ -36,6 +36,7 @@ from bench.cell_stats import (
     counter_delta,
     fraction_le,
     gpu_memory,
+    has_metric,
     histogram_delta,
     histogram_summary_counts,
     histogram_summary_ms,
@@ -46,6 +47,7 @@ from bench.cell_stats import (
 from services.talker.metrics import STEP_PARTS
 
 STAGES = ("encoder", "talker", "decoder")
+PROMPTS_STARTED = "duplex_talker_prompts_started"
 TICK_BUDGET_S = 0.080  # one frame: a talker tick over this is a late frame for every session
 
 DEFINITIONS = {
@@ -141,6 +143,9 @@ def talker_block(before: dict, after: dict) -> dict:
                            for k, v in counter_by_label(before, after, "duplex_talker_prefill_pieces",
                                                         "where").items()},
         "step_device_ms": histogram_summary_ms(histogram_delta(before, after, "duplex_talker_step_device_seconds")),
+        # Prompts the talker began to prefill (an open that prefills twice counts 2); None when it does not export it.
+        "prompts_started": (int(counter_delta(before, after, PROMPTS_STARTED))
+                            if has_metric(after, PROMPTS_STARTED) else None),
     }
 
 

@@ -130,11 +130,16 @@ def histogram_summary_ms(h: Histogram) -> dict:
 
 
 def histogram_summary_counts(h: Histogram) -> dict:
-    """Bucket-resolution p50/p99 and mean of a histogram of counts (not seconds), with its count."""
+    """Bucket-resolution p50/p90/p99 and mean of a histogram of counts (not seconds), with its count."""
     if h.count == 0:
         return {"count": 0}
     return {"count": int(h.count), "mean": round(h.mean, 2), "p50": round(bucket_quantile(h, 0.5), 1),
-            "p99": round(bucket_quantile(h, 0.99), 1)}
+            "p90": round(bucket_quantile(h, 0.9), 1), "p99": round(bucket_quantile(h, 0.99), 1)}
+
+
+def has_metric(snap: Snapshot, name: str) -> bool:
+    """Whether a scrape exports `name` at all (a counter also as `name`_total): absent is not zero."""
+    return any(n in (name, name + "_total") for n, _ in snap)
 
 
 # ---- per-frame client records ------------------------------------------------------------------

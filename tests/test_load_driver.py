@@ -30,6 +30,8 @@ from tools.load_driver.config import FRAME_PERIOD_S, FRAME_SAMPLES, DriverConfig
 from tools.load_driver.input_audio import append_event, input_signal, synth_speech
 from tools.load_driver.load import RESYNC_S, run_load
 from tools.load_driver.metrics import continuity_stats, distribution, linear_percentile, timing_metrics
+from tools.load_driver.refusal import FALLBACK_DELAY_S, event_refusal, http_refusal
+from tools.load_driver.traffic import call_length_s, hangup_s, make_plan, next_dial_s, send_phase_s
 from tools.load_driver.validate import PacketError, decode_audio_packet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +57,8 @@ class Behavior:
     delay_frames: int = 1  # output lags input by this many frames (the model's delay)
     release_delay_s: float = 0.0  # a slot frees this long after its connection ends
     stall_s: float = 0.0  # output pauses this long before output frame fault_at (then catches up)
+    retry_after_s: float | None = None  # a full server's refusal names this delay (error.retry_after_s)
+    http_busy: int = 0  # the first this many handshakes get HTTP 503 with Retry-After: 1
 
 
 @dataclass
@@ -65,6 +69,9 @@ class FakeServer:
     connections: int = 0
     closed_connections: int = 0
     appends: list[int] = field(default_factory=list)
+    refused: int = 0
+    autostarted: int = 0  # connections opened with ?model= (the SDK open), before any client event
+    busy_handshakes: int = 0
     _next_id: int = 0
 
     def _new_id(self) -> int:
@@ -93,26 +100,44 @@ class FakeServer:
         elif fault == "second_response" and index >= b.fault_at:
             event["response_id"] = rid + "-b"
         text = {"type": "response.output_audio_transcript.delta", "response_id": rid, "delta": f" w{index}"}
-        if fault == "error_event":
+        if fault in ("error_event", "kill"):
             return [{"type": "error", "error": {"type": "server_error", "code": "runtime_append_failed",
                                                 "message": "injected"}}]
         return [] if b.fault == "no_audio" else [event, text]
 
+    def process_request(self, connection, request):
+        """HTTP 503 with Retry-After for the first `http_busy` handshakes (a full front door)."""
+        if self.busy_handshakes < self.behavior.http_busy:
+            self.busy_handshakes += 1
+            response = connection.respond(503, "busy\n")
+            response.headers["Retry-After"] = "1"
+            return response
+        return None
+
     async def _handle(self, ws) -> None:
         self.connections += 1
         admitted = False
+        # The SDK open (?model= without autostart=0): the server opens a session with its defaults at once,
+        # and the client's session.update then changes it (as the gateway does).
+        autostart = "model=" in ws.request.path and "autostart=0" not in ws.request.path
         try:
-            update = json.loads(await ws.recv())
-            assert update["type"] == "session.update"
+            update = None if autostart else json.loads(await ws.recv())
+            assert update is None or update["type"] == "session.update"
             if self.live >= self.behavior.capacity:
-                await ws.send(json.dumps({"type": "error", "error": {
-                    "type": "rate_limit_error", "code": "resource_exhausted", "message": "no free session slot"}}))
+                self.refused += 1
+                body = {"type": "rate_limit_error", "code": "resource_exhausted", "message": "no free session slot"}
+                if self.behavior.retry_after_s is not None:
+                    body["retry_after_s"] = self.behavior.retry_after_s
+                await ws.send(json.dumps({"type": "error", "error": body}))
+                await ws.close(1013, "try again later")
                 return
             self.live += 1
             admitted = True
+            self.autostarted += autostart
             sid = f"sess-{self._new_id()}"
             rid = "resp-shared" if self.behavior.fault == "shared_rid" else f"resp-{sid}"
-            session = {"object": "realtime.session", "id": sid, "instructions": update["session"]["instructions"],
+            instructions = "defaults" if autostart else update["session"]["instructions"]
+            session = {"object": "realtime.session", "id": sid, "instructions": instructions,
                        "capabilities": CAPABILITIES}
             for kind in ("session.created", "session.updated"):
                 await ws.send(json.dumps({"type": kind, "session": session}))
@@ -124,7 +149,10 @@ class FakeServer:
             slot = len(self.appends) - 1
             async for message in ws:
                 event = json.loads(message)
-                if event["type"] == "input_audio_buffer.append":
+                if event["type"] == "session.update":
+                    session = {**session, "instructions": event["session"]["instructions"]}
+                    await ws.send(json.dumps({"type": "session.updated", "session": session}))
+                elif event["type"] == "input_audio_buffer.append":
                     try:
                         raw = base64.b64decode(event["audio"], validate=True)
                     except ValueError:  # one typed error; the session goes on
@@ -144,6 +172,9 @@ class FakeServer:
                         out = len(inputs) - 1 - self.behavior.delay_frames
                         if out == self.behavior.fault_at and self.behavior.stall_s:
                             await asyncio.sleep(self.behavior.stall_s)
+                        if out == self.behavior.fault_at and self.behavior.fault == "drop":
+                            await ws.close(1011, "stage failure")  # the server ends it: the caller did not ask
+                            return
                         if out >= 0:
                             for reply in self._packet(rid, out, inputs[out]):
                                 await ws.send(json.dumps(reply))
@@ -171,7 +202,7 @@ def fake_server(behavior: Behavior | None = None):
     stop: list[asyncio.Future] = []
 
     async def serve_forever() -> None:
-        async with serve(server._handle, "127.0.0.1", 0) as ws_server:
+        async with serve(server._handle, "127.0.0.1", 0, process_request=server.process_request) as ws_server:
             port = ws_server.sockets[0].getsockname()[1]
             server.url = f"ws://127.0.0.1:{port}/v1/realtime?duplex=1"
             stop.append(loop.create_future())
@@ -610,3 +641,197 @@ def test_synthetic_input_is_deterministic_speech_like_audio():
     assert power[(freqs > 80) & (freqs < 4000)].sum() > 0.95 * power.sum()  # energy in the voice band
     event = append_event(a, 39, "pcm16")
     assert len(base64.b64decode(event["audio"])) == 2 * FRAME_SAMPLES and event["audio_end_ms"] == 3200
+
+
+# -- traffic: the plan ------------------------------------------------------------------------
+
+
+def traffic_config(**kw) -> DriverConfig:
+    base = dict(sessions=4, traffic="arrivals", arrival_rate=2.0, hold_s=20.0, call_mean_s=8.0, call_min_s=2.0,
+                settle_s=1.0, redial_gap_s=0.5, traffic_seed=7, progress=False)
+    return DriverConfig(**{**base, **kw})
+
+
+def test_steady_arrivals_are_evenly_spaced_and_the_window_follows_the_last():
+    config = traffic_config(arrivals="steady")
+    plan = make_plan(config)
+    assert plan.first_dial_s == pytest.approx((0.0, 0.5, 1.0, 1.5))
+    assert plan.ramp_end_s == pytest.approx(1.5) and plan.end_s == pytest.approx(21.5)
+    assert plan.window_s == pytest.approx((2.5, 21.5))
+
+
+def test_poisson_arrivals_are_seeded_and_keep_the_rate():
+    config = traffic_config(sessions=200, arrivals="poisson", arrival_rate=4.0)
+    dials = make_plan(config).first_dial_s
+    assert dials == make_plan(config).first_dial_s  # every driver process computes the same plan
+    assert dials != make_plan(replace(config, traffic_seed=8)).first_dial_s
+    gaps = np.diff(dials)
+    assert dials[0] == 0.0 and (gaps >= 0).all()
+    assert 0.2 < gaps.mean() < 0.3 and gaps.std() > 0.15  # mean 1/4 s, and not evenly spaced
+
+
+def test_burst_callers_dial_within_the_window():
+    config = traffic_config(sessions=50, traffic="burst", burst_window_s=2.0, hold_s=10.0)
+    plan = make_plan(config)
+    assert all(0.0 <= t <= 2.0 for t in plan.first_dial_s) and max(plan.first_dial_s) > 1.5
+    assert plan.window_s == (0.0, 12.0) and plan.end_s == 12.0
+    assert next_dial_s(config, plan, 5.0) is None  # one call each
+
+
+def test_call_lengths_have_the_floor_and_the_mean():
+    config = traffic_config(call_mean_s=8.0, call_min_s=2.0)
+    lengths = [call_length_s(config, line, call) for line in range(50) for call in range(40)]
+    assert min(lengths) >= 2.0 and 7.5 < np.mean(lengths) < 8.5
+    assert call_length_s(replace(config, call_mean_s=0.0), 0, 0) is None  # no churn: until the end
+
+
+def test_a_ramp_call_counts_from_the_ramp_end_and_a_later_one_from_its_first_frame():
+    config = traffic_config(arrivals="steady")
+    plan = make_plan(config)
+    length = call_length_s(config, 0, 0)
+    assert hangup_s(config, plan, 0, 0, 0.1) == pytest.approx(min(plan.end_s, plan.ramp_end_s + length))
+    later = call_length_s(config, 0, 1)
+    assert hangup_s(config, plan, 0, 1, 3.0) == pytest.approx(min(plan.end_s, 3.0 + later))
+    assert hangup_s(config, plan, 0, 1, plan.end_s - 0.5) == plan.end_s  # every call ends by the end
+    assert next_dial_s(config, plan, 4.0) == pytest.approx(4.5)
+    assert next_dial_s(config, plan, plan.end_s - 2.0) is None  # no room left for a call of the floor
+
+
+def test_send_phases_are_random_per_call_but_seeded():
+    config = traffic_config()
+    phases = [send_phase_s(config, line, call) for line in range(20) for call in range(5)]
+    assert all(0.0 <= p < FRAME_PERIOD_S for p in phases) and len(set(phases)) == len(phases)
+    assert phases[0] == send_phase_s(config, 0, 0)
+    together = replace(config, traffic="together")
+    assert [send_phase_s(together, g, 0) for g in range(4)] == pytest.approx([g * FRAME_PERIOD_S / 4 for g in range(4)])
+
+
+# -- traffic: refusals ------------------------------------------------------------------------
+
+
+def test_a_typed_retry_later_before_any_audio_is_a_refusal():
+    busy = {"type": "error", "error": {"type": "server_error", "code": "server_busy", "retry_after_s": 2.5}}
+    refusal = event_refusal([busy], [1.0], 1013, 1.1)
+    assert (refusal.name, refusal.after_created, refusal.retry_after_s, refusal.at_s) == ("error:server_busy",
+                                                                                        False, 2.5, 1.0)
+    assert refusal.delay_s(30.0) == 2.5 and refusal.delay_s(1.0) == 1.0  # the server's delay, bounded
+    created = {"type": "session.created", "session": {}}
+    full = {"type": "error", "error": {"type": "rate_limit_error", "code": "resource_exhausted"}}
+    late = event_refusal([created, full], [1.0, 2.0], None, None)
+    assert late.after_created and late.delay_s(30.0) == FALLBACK_DELAY_S  # no delay given: 1 s
+    hinted = {"type": "error", "error": {"type": "server_error", "code": "server_busy",
+                                         "message": "the prefill queue is long: retry in 1.5 s"}}
+    assert event_refusal([hinted], [1.0], 1013, 1.1).retry_after_s == 1.5  # the stages' hint in the message
+    assert event_refusal([created], [1.0], 1013, 3.0).name == "close:1013"
+    audio = {"type": "response.output_audio.delta", "delta": ""}
+    assert event_refusal([created, audio, full], [1.0, 1.5, 2.0], 1013, 3.0) is None  # it had been served
+    other = {"type": "error", "error": {"type": "invalid_request_error", "code": "bad_voice"}}
+    assert event_refusal([other], [1.0], 1000, 1.1) is None
+    assert http_refusal(503, {"Retry-After": "3"}, 5.0).retry_after_s == 3.0
+    assert http_refusal(503, {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}, 5.0).retry_after_s is None
+    assert http_refusal(403, {}, 5.0) is None
+
+
+# -- traffic: against a server ------------------------------------------------------------------
+
+TRAFFIC_ARGS = ["--drain-s", "0.2", "--cleanup-timeout-s", "1", "--timeout-s", "10", "--no-progress",
+                "--min-voiced-frames", "2", "--traffic-seed", "3"]
+
+
+def run_traffic_driver(server: FakeServer, tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    """`main` with the traffic flags; a run the client itself invalidated is rerun, at most twice."""
+    out = tmp_path / "run"
+    for _ in range(3):
+        shutil.rmtree(out, ignore_errors=True)
+        code = main(["--url", server.url, "--output-dir", str(out), *TRAFFIC_ARGS, *extra])
+        result = json.loads((out / "load-result.json").read_text())
+        if result["verdict"] != "INVALID":
+            break
+    return code, result
+
+
+def test_arrivals_with_the_sdk_open_and_churn(tmp_path):
+    """Two lines dialled at 5/s open the SDK way and stream once their own open is done; calls of
+    0.5-0.8 s hang up and the lines dial again, so more calls than lines are made, each passing."""
+    with fake_server(Behavior(capacity=2)) as server:
+        code, result = run_traffic_driver(
+            server, tmp_path, "--sessions", "2", "--traffic", "arrivals", "--open", "sdk", "--arrivals", "steady",
+            "--arrival-rate", "5", "--hold-s", "2.5", "--settle-s", "0.3", "--call-mean-s", "0.8",
+            "--call-min-s", "0.5", "--redial-gap-s", "0.1")
+        assert server.autostarted == server.connections >= 3
+    rows = result["sessions"]
+    assert code == 0, [(r["status"], r["error"]) for r in rows]
+    assert result["traffic"]["pattern"] == "arrivals" and result["traffic"]["open"] == "sdk"
+    assert len(rows) >= 3 and {r["line"] for r in rows} == {0, 1} and max(r["call"] for r in rows) >= 1
+    assert all(r["status"] == "passed" and r["tries"] == 1 and r["refusals"] == [] for r in rows)
+    for row in rows:  # each streamed from its own open, at a random phase
+        assert row["stream_start_s"] >= row["connect_at_s"] and row["dialed_at_s"] <= row["connect_at_s"]
+        assert row["client_first_audio_after_connect_ms"] > row["client_first_audio_after_stream_start_ms"] > 0
+    first = [r for r in rows if r["call"] == 0]
+    assert first[1]["dialed_at_s"] - first[0]["dialed_at_s"] == pytest.approx(0.2)
+    calls = result["calls"]
+    assert calls["status"] == {"passed": len(rows), "failed": 0, "killed": 0, "refused": 0}
+    assert calls["first_audio_ms"]["count"] == len(rows) and calls["refusals"]["total"] == 0
+    window = result["window"]
+    assert window["start_s"] == pytest.approx(result["stream_start_s"] + 0.2 + 0.3)
+    assert window["length_s"] == pytest.approx(2.5 - 0.3) and window["sessions"] >= 2
+    assert window["frame_latency_ms"]["count"] > 0 and window["session_latency_p50_ms"]["p50"] > 0
+    assert result["summary"]["frame_latency_ms"] == window["frame_latency_ms"]  # the verdict reads the window
+
+
+def test_a_burst_beyond_the_slots_is_refused_then_served(tmp_path):
+    """Three callers within 0.2 s on one slot: two get resource_exhausted (before session.created) with the
+    server's delay, retry after it, and are served once the calls before them hang up."""
+    with fake_server(Behavior(capacity=1, retry_after_s=0.3)) as server:
+        code, result = run_traffic_driver(
+            server, tmp_path, "--sessions", "3", "--traffic", "burst", "--burst-window-s", "0.2", "--hold-s", "6",
+            "--call-mean-s", "0.5", "--call-min-s", "0.5")
+        assert server.refused >= 2
+    rows = result["sessions"]
+    assert code == 0, [(r["status"], r["error"]) for r in rows]
+    assert [r["status"] for r in rows] == ["passed"] * 3
+    refused = [r for r in rows if r["refusals"]]
+    assert len(refused) >= 2 and all(r["tries"] == len(r["refusals"]) + 1 for r in rows)
+    for row in refused:
+        assert {f["type"] for f in row["refusals"]} == {"error:resource_exhausted"}
+        assert all(not f["after_created"] and f["retry_after_s"] == 0.3 for f in row["refusals"])
+        gaps = np.diff([f["at_s"] for f in row["refusals"]] + [row["connect_at_s"]])
+        assert (gaps >= 0.3).all()  # each retry waited the delay the server gave
+        assert row["time_to_served_ms"] > 300
+    calls = result["calls"]
+    assert calls["refusals"]["callers_refused"] == len(refused) == calls["refused_callers_served"]
+    assert calls["refusals"]["by_type"] == {"error:resource_exhausted": calls["refusals"]["total"]}
+    assert calls["all_refused_served_in_time"] and calls["time_to_served_ms"]["count"] == len(refused)
+
+
+def test_http_503_with_retry_after_is_retried(tmp_path):
+    with fake_server(Behavior(http_busy=1)) as server:
+        code, result = run_traffic_driver(
+            server, tmp_path, "--sessions", "1", "--traffic", "burst", "--burst-window-s", "0.1", "--hold-s", "2",
+            "--call-min-s", "0.5", "--open", "sdk")
+    (row,) = result["sessions"]
+    assert code == 0 and row["status"] == "passed" and row["tries"] == 2
+    assert [(f["type"], f["retry_after_s"]) for f in row["refusals"]] == [("http:503", 1.0)]
+    assert row["time_to_served_ms"] >= 1000
+
+
+def test_a_caller_refused_to_the_end_gives_up(tmp_path):
+    with fake_server(Behavior(capacity=0)) as server:
+        code, result = run_traffic_driver(
+            server, tmp_path, "--sessions", "1", "--traffic", "burst", "--burst-window-s", "0.1", "--hold-s", "3",
+            "--call-min-s", "0.5", "--max-tries", "3")
+        assert server.connections == 3
+    (row,) = result["sessions"]
+    assert code == 1 and row["status"] == "refused" and not row["admitted"] and row["tries"] == 3
+    assert "gave up" in row["error"] and result["calls"]["all_refused_served_in_time"] is False
+
+
+@pytest.mark.parametrize("fault, killed_by", [("kill", "server_error:runtime_append_failed"), ("drop", "close:1011")])
+def test_a_session_the_server_ends_is_killed_not_failed(tmp_path, fault, killed_by):
+    with fake_server(Behavior(fault=fault)) as server:
+        code, result = run_traffic_driver(
+            server, tmp_path, "--sessions", "1", "--traffic", "burst", "--burst-window-s", "0.1", "--hold-s", "2",
+            "--call-min-s", "0.5")
+    (row,) = result["sessions"]
+    assert code == 1 and row["admitted"] and row["status"] == "killed" and row["killed_by"] == killed_by
+    assert result["calls"]["status"]["killed"] == 1 and result["calls"]["killed_by"] == {killed_by: 1}

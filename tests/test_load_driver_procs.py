@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_load_driver import Behavior, eventually, fake_server, load_args, run_driver
+from tests.test_load_driver import Behavior, eventually, fake_server, load_args, run_driver, run_traffic_driver
 from tools.load_driver.__main__ import parse_args
 from tools.load_driver.config import FRAME_PERIOD_S, FRAME_SAMPLES
 from tools.load_driver.metrics import frame_latencies_ms, own_lateness_s, send_rtfs
 from tools.load_driver.report import timeline_bands
+from tools.load_driver.traffic import make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,6 +105,31 @@ def test_two_processes_merge_into_one_result(tmp_path, capsys):
     assert summary["frame_deficit"] == {"max": 1, "total": 5, "missing_frames_pct": pytest.approx(100 / 8)}
     assert (tmp_path / "run" / "load-timeline.png").stat().st_size > 1000
     assert "PASS: 5/5 sessions passed" in capsys.readouterr().out
+
+
+def test_arrivals_over_two_processes_follow_one_plan(tmp_path):
+    """Each driver process dials its own lines at the times of the one seeded plan, from one shared start;
+    the steady window's numbers pool the frames of both."""
+    with fake_server(Behavior(capacity=4)) as server:
+        code, result = run_traffic_driver(
+            server, tmp_path, "--procs", "2", "--sessions", "4", "--traffic", "arrivals", "--arrivals", "poisson",
+            "--arrival-rate", "8", "--hold-s", "1.5", "--settle-s", "0.2", "--call-min-s", "0.5", "--open", "sdk")
+    rows = result["sessions"]
+    assert code == 0, [(r["status"], r["error"]) for r in rows]
+    assert [p["sessions"] for p in result["driver_processes"]] == [[0, 2], [1, 3]]
+    assert [r["driver_proc"] for r in rows] == [0, 1, 0, 1]
+    config = parse_args(["--sessions", "4", "--traffic", "arrivals", "--arrivals", "poisson", "--arrival-rate", "8",
+                         "--hold-s", "1.5", "--settle-s", "0.2", "--call-min-s", "0.5", "--traffic-seed", "3"])
+    plan = make_plan(config)
+    for row in rows:
+        assert row["dialed_at_s"] == pytest.approx(result["stream_start_s"] + plan.first_dial_s[row["line"]])
+    window = (result["stream_start_s"] + plan.window_s[0], result["stream_start_s"] + plan.window_s[1])
+    assert (result["window"]["start_s"], result["window"]["end_s"]) == pytest.approx(window)
+    in_window = [ms for row in rows for start, ms in zip([s["send_started_at_s"] for s in row["input_timeline"]],
+                                                         pooled_frame_latencies_ms([row]))
+                 if window[0] <= start <= window[1]]
+    assert result["window"]["frame_latency_ms"]["count"] == len(in_window) > 0
+    assert result["window"]["frame_latency_ms"]["p99"] == pytest.approx(np.percentile(in_window, 99))
 
 
 def test_response_ids_shared_across_processes_fail_both(tmp_path):

@@ -16,9 +16,10 @@ from pathlib import Path
 from services.common.config import load_config
 
 from .config import ENV_PREFIX, DriverConfig
+from .calls import run_traffic
 from .input_audio import input_signal
 from .lifecycle import run_lifecycle
-from .load import Shard, run_load
+from .load import Shard
 from .procs import run_procs, run_shard
 from .report import (
     LIFECYCLE_RESULT_NAME,
@@ -32,6 +33,7 @@ from .report import (
     summary_table,
     write_result,
 )
+from .traffic import input_frames
 from .verdict import FAIL, INVALID, PASS
 
 EXIT_CODES = {PASS: 0, FAIL: 1, INVALID: 3}
@@ -82,7 +84,7 @@ def print_lifecycle(result: dict) -> None:
 
 async def run(config: DriverConfig) -> dict:
     progress = Progress(enabled=config.progress)
-    frames = config.load_frames if config.sessions is not None else config.lifecycle_frames
+    frames = input_frames(config) if config.sessions is not None else config.lifecycle_frames
     pcm, identity = input_signal(config.input_wav, frames, config.input_seed)
     progress.note(f"{config.mode} against {public_url(config.url)}; input {identity['source']}, "
                   f"{identity['frames']} frames")
@@ -95,12 +97,12 @@ async def run(config: DriverConfig) -> dict:
     if procs > 1:
         progress.note(f"{config.sessions} sessions over {procs} driver processes")
         return load_result(config, identity, await run_procs(config, procs, pcm, progress))
-    return load_result(config, identity, await run_load(config, pcm, progress))
+    return load_result(config, identity, await run_traffic(config, pcm, progress))
 
 
 def shard_main(config: DriverConfig, shard: Shard, result_path: Path) -> int:
     """A child driver process of `--procs` (see procs.py): its raw result goes to result_path."""
-    pcm, _ = input_signal(config.input_wav, config.load_frames, config.input_seed)
+    pcm, _ = input_signal(config.input_wav, input_frames(config), config.input_seed)
     try:
         part = asyncio.run(run_shard(config, shard, pcm))
     except (KeyboardInterrupt, asyncio.CancelledError):

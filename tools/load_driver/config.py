@@ -27,6 +27,8 @@ SESSIONS_PER_AUTO_PROC = 20
 
 
 ENV_PREFIX = "LOAD_DRIVER_"
+TRAFFIC = ("together", "arrivals", "burst")
+OPENS = ("autostart0", "sdk")
 
 
 def parse_procs(text: str) -> int | str:
@@ -62,6 +64,33 @@ class DriverConfig:
                                                          "at most one per CPU")
     load_frames: int = option(1000, help="load mode: at most this many 80 ms input frames per session (the WAV is "
                                          "never looped)")
+    # Traffic (load mode; tools/load_driver/traffic.py defines each pattern).
+    traffic: str = option("together", help="together: every session opens, then all stream from one shared start "
+                                           "(a comparison); arrivals: N lines dialled at --arrival-rate, each "
+                                           "caller streams once its own open is done, then churn; burst: N "
+                                           "callers within --burst-window-s, one call each")
+    open: str = option("autostart0", help="autostart0: connect with ?autostart=0, stream after the session.created "
+                                          "that answers session.update; sdk: connect with ?model= (the server "
+                                          "autostarts), send session.update at once, stream after the first "
+                                          "session.updated (the openai SDK, LiveKit's openai plugin, pipecat)")
+    arrivals: str = option("poisson", help="arrivals: steady (one every 1/rate s) | poisson (exponential gaps)")
+    arrival_rate: float = option(2.0, help="arrivals: callers per second in the ramp")
+    burst_window_s: float = option(2.0, help="burst: every caller dials within this many seconds")
+    hold_s: float = option(60.0, help="arrivals: the traffic goes on this long after the ramp's last arrival; "
+                                      "burst: after the burst window")
+    settle_s: float = option(2.0, help="arrivals: the steady window starts this long after the ramp's last "
+                                       "arrival")
+    call_mean_s: float = option(0.0, help="arrivals, burst: mean call length, --call-min-s + exponential (churn: "
+                                          "the line dials again after a hang-up); 0: every call lasts until the "
+                                          "end")
+    call_min_s: float = option(10.0, help="the shortest call; no caller dials with less than this left")
+    redial_gap_s: float = option(1.0, help="arrivals with churn: a line's next caller dials this long after a "
+                                           "hang-up")
+    traffic_seed: int = option(0, help="seed of the arrivals, call lengths and send phases")
+    max_tries: int = option(20, help="arrivals, burst: a caller refused with a typed retry-later tries at most "
+                                     "this often")
+    retry_for_s: float = option(30.0, help="arrivals, burst: a refused caller retries (after the delay the server "
+                                           "gave, else 1 s) until this long after its first try")
     lifecycle_frames: int = option(50, help="lifecycle mode: frames streamed in each of its two streaming phases")
     capacity: int = option(2, help="lifecycle mode: the server's session limit; session capacity+1 must be refused")
     drain_s: float = option(2.0, help="fixed observation window after the last input frame")
@@ -111,6 +140,18 @@ class DriverConfig:
 
         check(self.url.startswith(("ws://", "wss://")), f"--url must be ws:// or wss://, got {self.url[:80]!r}")
         check(self.input_format in ("pcm_f32le", "pcm16"), "--input-format must be pcm_f32le or pcm16")
+        check(self.traffic in TRAFFIC, f"--traffic must be one of {', '.join(TRAFFIC)}")
+        check(self.open in OPENS, f"--open must be one of {', '.join(OPENS)}")
+        check(self.arrivals in ("steady", "poisson"), "--arrivals must be steady or poisson")
+        for name in ("arrival_rate", "burst_window_s", "hold_s", "call_min_s", "retry_for_s"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value > 0, f"--{name.replace('_', '-')} must be finite and > 0")
+        for name in ("settle_s", "call_mean_s", "redial_gap_s"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be finite and >= 0")
+        check(not self.call_mean_s or self.call_mean_s >= self.call_min_s, "--call-mean-s must be 0 or >= --call-min-s")
+        check(self.traffic == "together" or self.call_min_s < self.hold_s, "--call-min-s must be shorter than --hold-s")
+        check(1 <= self.max_tries <= 1000, "--max-tries must be in [1, 1000]")
         if self.sessions is not None:
             check(1 <= self.sessions <= 256, "--sessions must be in [1, 256]")
             check(1 <= self.load_frames <= 100_000, "--load-frames must be in [1, 100000]")

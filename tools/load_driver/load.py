@@ -1,6 +1,7 @@
-"""Paced multi-session load mode (`--sessions N`).
+"""Paced multi-session load mode (`--sessions N`): the `together` traffic, and what every pattern shares
+(a call's state, the paced send, the report row and its status). calls.py runs the other patterns.
 
-Every session is admitted (or refused) before any input flows; then all admitted sessions share
+Together: every session is admitted (or refused) before any input flows; then all admitted sessions share
 one input start and send one 80 ms frame per period against that absolute schedule, session g of N
 offset by g/N of a period so the sends of many sessions spread over the period. A stalled
 client re-anchors its own schedule instead of bursting to catch up, and the lateness against the
@@ -29,7 +30,9 @@ import numpy as np
 from .config import FRAME_PERIOD_S, RESYNC_S, DriverConfig
 from .input_audio import append_event, frame_count
 from .metrics import Send, timing_metrics
+from .refusal import Refusal, event_refusal
 from .session import (
+    OPEN_ANSWER,
     RealtimeSession,
     SessionLost,
     capabilities_of,
@@ -38,6 +41,7 @@ from .session import (
     session_id_of,
     session_update,
 )
+from .traffic import send_phase_s
 from .validate import AcceptanceError, audio_stats, scan_events
 
 # Lead time between "all admitted" and the shared first send, so every session sleeps to it.
@@ -54,11 +58,6 @@ class Shard:
 
     def sessions(self, total: int) -> range:
         return range(self.index, total, self.count)
-
-
-def phase_offset_s(index: int, total: int) -> float:
-    """Session `index` of `total` sends at this offset into each 80 ms period."""
-    return index * FRAME_PERIOD_S / total
 
 
 def overload_burn_s(shard: Shard) -> float:
@@ -78,12 +77,26 @@ class SessionFailure(RuntimeError):
     """A local, reportable reason a session failed (our own text, never server-supplied)."""
 
 
+# A call's status in its report row: admitted and every check passed; admitted and a check failed;
+# admitted and ended by the server (a server_error event, or a close the caller did not ask for);
+# never admitted after typed retry-laters (refusal.py); never admitted for another reason is failed.
+PASSED, FAILED, KILLED, REFUSED = "passed", "failed", "killed", "refused"
+STATUSES = (PASSED, FAILED, KILLED, REFUSED)
+
+
 @dataclass
 class SessionRun:
-    """The live state of one load session (read by the progress line while it runs)."""
+    """The live state of one load session, a call (read by the progress line while it runs). A refused
+    call dials again on a fresh `session`; the row reports the last one."""
 
     index: int
     session: RealtimeSession
+    line: int = 0  # the caller's line (arrivals: a line's callers follow each other; else = index)
+    call: int = 0  # the call's number on its line
+    dialed_at_s: float | None = None  # when the traffic plan had it dial (time.monotonic())
+    first_try_s: float | None = None  # its first connect
+    tries: int = 0
+    refusals: list[Refusal] = field(default_factory=list)
     session_id: str | None = None
     admitted: bool = False
     phase: str = "admission"
@@ -143,9 +156,25 @@ def check_capabilities(created: dict[str, Any], run: SessionRun) -> None:
         raise SessionFailure("server does not advertise chunk_period_ms=80")
 
 
-async def admit(run: SessionRun, url_update: dict[str, Any], config: DriverConfig) -> None:
-    await run.session.connect(config.timeout_s)
-    first = await run.session.open(url_update, config.timeout_s)
+def refusal_of(run: SessionRun) -> Refusal | None:
+    """The typed retry-later that ended the call's current try, if one did (refusal.py)."""
+    s = run.session
+    return event_refusal(s.events, s.received_at, s.close_code, s.closed_at)
+
+
+def call_update(config: DriverConfig) -> dict[str, Any]:
+    return session_update(model=config.model, voice=config.voice, persona=config.persona,
+                          input_format=config.input_format)
+
+
+async def open_call(run: SessionRun, config: DriverConfig) -> None:
+    """Connect and open the session in the configured style (session.OPEN_ANSWER); SessionFailure when the
+    open's answer is an error."""
+    session = run.session
+    run.tries += 1
+    run.first_try_s = run.first_try_s or time.monotonic()
+    await session.connect(config.timeout_s)
+    first = await session.open(call_update(config), config.timeout_s, OPEN_ANSWER[config.open])
     if first["type"] == "error":
         raise SessionFailure(f"rejected at admission ({error_code_of(first) or 'unknown'})")
     run.session_id = session_id_of(first)
@@ -163,13 +192,10 @@ async def drive_session(
 ) -> None:
     """Admission -> shared start -> paced stream -> fixed drain -> bounded cleanup. Never raises
     for a session failure (it is recorded on `run`); cancellation closes the transport and propagates."""
-    update = session_update(
-        model=config.model, voice=config.voice, persona=config.persona, input_format=config.input_format
-    )
     cancelled = False
     try:
         try:
-            await admit(run, update, config)
+            await open_call(run, config)
             admitted.set_result(None)
             run.phase = "stream"
             run.stream_start_s = await asyncio.shield(start) + run.phase_offset_s
@@ -187,14 +213,22 @@ async def drive_session(
             cancelled = True
             raise
         finally:
-            if run.cutoff_s is None:
-                run.cutoff_s = time.monotonic()
-            if run.admitted and not cancelled:
-                await close_politely(run, config.cleanup_timeout_s)
+            if not run.admitted and (refusal := refusal_of(run)) is not None:
+                run.refusals.append(refusal)  # together never retries: the row says it was refused
+            await end_call(run, config, cancelled)
     finally:
         if not admitted.done():
             admitted.set_result(None)  # a failed admission must not hold the others at the barrier
         await run.session.close()
+
+
+async def end_call(run: SessionRun, config: DriverConfig, cancelled: bool) -> None:
+    """However a call ended: its observation ends now (if the drain did not end it), and an admitted
+    session is closed politely, unless the driver is being cancelled (then only the transport closes)."""
+    if run.cutoff_s is None:
+        run.cutoff_s = time.monotonic()
+    if run.admitted and not cancelled:
+        await close_politely(run, config.cleanup_timeout_s)
 
 
 async def close_politely(run: SessionRun, cleanup_timeout_s: float) -> None:
@@ -207,6 +241,30 @@ async def close_politely(run: SessionRun, cleanup_timeout_s: float) -> None:
         run.closed = True
     except Exception as exc:  # noqa: BLE001 - recorded; the report then fails
         run.cleanup_error = f"cleanup: {type(exc).__name__}"
+
+
+def killed_by(session: RealtimeSession) -> str | None:
+    """What ended an admitted session on the server's side: its first server_error's code, or the
+    close it did not ask for; None when it was not ended so."""
+    for event in session.errors():
+        body = event.get("error")
+        if isinstance(body, dict) and body.get("type") == "server_error":
+            return f"server_error:{error_code_of(event) or 'unknown'}"
+    if session.ended_by_server:
+        return f"close:{session.close_code}"
+    return None
+
+
+def call_status(run: SessionRun, error: str | None) -> str:
+    if not run.admitted:
+        return REFUSED if run.refusals else FAILED
+    if killed_by(run.session) is not None:
+        return KILLED
+    return PASSED if error is None else FAILED
+
+
+def _since_ms(later: float | None, earlier: float | None) -> float | None:
+    return None if later is None or earlier is None else (later - earlier) * 1000.0
 
 
 def session_row(run: SessionRun, config: DriverConfig) -> dict[str, Any]:
@@ -243,16 +301,32 @@ def session_row(run: SessionRun, config: DriverConfig) -> dict[str, Any]:
     if run.cleanup_error:
         error = f"{error}; {run.cleanup_error}" if error else run.cleanup_error
     response_ids = sorted({p.response_id for p in scan.valid})
+    first_audio_at = scan.valid[0].received_at_s if scan.valid and run.admitted else None
+    status = call_status(run, error)
     return {
         "index": run.index,
         "driver_proc": run.driver_proc,
         "session_id": run.session_id,
         "admitted": run.admitted,
-        "ok": error is None,
+        "ok": status == PASSED,
+        "status": status,
         "error": error,
+        "killed_by": killed_by(session) if status == KILLED else None,
+        "close_code": session.close_code,
+        "line": run.line,
+        "call": run.call,
+        "dialed_at_s": run.dialed_at_s,
+        "first_try_at_s": run.first_try_s,
+        "connect_at_s": session.connect_started_at,
+        "tries": run.tries,
+        "refusals": [r.as_row() for r in run.refusals],
+        # Dial (its first try) -> first audio of the try that was served; connect of that try -> first audio.
+        "time_to_served_ms": _since_ms(first_audio_at, run.first_try_s),
+        "client_first_audio_after_connect_ms": _since_ms(first_audio_at, session.connect_started_at),
         "acceptance_check": acceptance_check,
         "server_error_count": len(session.errors()),
         "server_error_codes": session.error_codes(),
+        "error_types": session.error_types(),
         "protocol_faults": list(session.protocol_faults),
         "closed": run.closed,
         "input_frames": len(run.sends),
@@ -291,14 +365,21 @@ def mark_shared_response_ids(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         if set(row["response_ids"]) & set(shared) and not (row["error"] or "").startswith(SHARED_RESPONSE_ERROR):
             row["ok"] = False
+            row["status"] = FAILED if row["status"] == PASSED else row["status"]
             row["error"] = SHARED_RESPONSE_ERROR + (f"; {row['error']}" if row["error"] else "")
     return shared
 
 
-def new_run(index: int, config: DriverConfig, shard: Shard) -> SessionRun:
-    session = RealtimeSession(realtime_url(config.url, config.model), cleanup_timeout_s=config.cleanup_timeout_s)
-    return SessionRun(index, session, phase_offset_s=phase_offset_s(index, config.sessions or 1),
-                      driver_proc=shard.index)
+def new_session(config: DriverConfig) -> RealtimeSession:
+    return RealtimeSession(realtime_url(config.url, config.model, config.open),
+                           cleanup_timeout_s=config.cleanup_timeout_s)
+
+
+def new_run(index: int, config: DriverConfig, shard: Shard, line: int | None = None, call: int = 0) -> SessionRun:
+    """Call `call` of `line` (a together session: line = index, call 0), with its send phase."""
+    line = index if line is None else line
+    return SessionRun(index, new_session(config), line=line, call=call,
+                      phase_offset_s=send_phase_s(config, line, call), driver_proc=shard.index)
 
 
 async def own_start() -> float:
@@ -330,19 +411,29 @@ async def run_load(
         start.set_result(await start_at())
         await asyncio.gather(*tasks)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if progress is not None:
-            progress.stop()
-    rows = [session_row(r, config) for r in runs]
-    shared = mark_shared_response_ids(rows)
+        await wind_down(tasks, progress)
+    return shard_result(config, runs, len(frames), start.result(), shard, [r.index for r in runs])
+
+
+async def wind_down(tasks: list[asyncio.Task], progress) -> None:
+    """Cancel what still runs (each closes its transport), wait for all of it, stop the progress line."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if progress is not None:
+        progress.stop()
+
+
+def shard_result(config: DriverConfig, runs: list[SessionRun], frames: int, start: float, shard: Shard,
+                 sessions: list[int]) -> dict[str, Any]:
+    """A shard's result: its rows (by index), shared response ids, and its process (`sessions`: what it ran)."""
+    rows = sorted((session_row(r, config) for r in runs), key=lambda row: row["index"])
     return {
-        "frames_per_session": len(frames),
-        "stream_start_s": start.result(),
+        "frames_per_session": frames,
+        "stream_start_s": start,
         "capabilities": next((r.capabilities for r in runs if r.capabilities is not None), None),
-        "shared_response_ids": shared,
-        "driver_processes": [{"index": shard.index, "pid": os.getpid(), "sessions": [r.index for r in runs],
-                              "exit_code": None, "error": None}],
+        "shared_response_ids": mark_shared_response_ids(rows),
+        "driver_processes": [{"index": shard.index, "pid": os.getpid(), "sessions": sessions, "exit_code": None,
+                              "error": None}],
         "sessions": rows,
     }

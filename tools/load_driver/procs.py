@@ -2,11 +2,12 @@
 
 Each child is `python -m tools.load_driver` with the same options on one Shard (sessions p, p+K, ...).
 The protocol, over the child's stdin and stdout:
-  1. the child admits its sessions, then prints ADMITTED (and, with --progress, a PROGRESS line of
+  1. the child admits its sessions (in the arrivals and burst traffic: none, they dial later), then prints
+     ADMITTED (and, with --progress, a PROGRESS line of
      counts every second from the start, which the parent sums into its own progress line);
   2. once every child has, the parent writes one shared input start (time.monotonic(): one clock for
      every process of the host) to each child's stdin; session g of N starts g/N of a period after it;
-  3. the child streams, drains, closes, writes its result (run_load's) to its --shard-result file
+  3. the child streams, drains, closes, writes its result (calls.run_traffic's) to its --shard-result file
      and exits 0. If its stdin closes before that (the parent died), it stops and closes its sessions.
 The parent merges the rows (shared response ids are checked across processes too). A child that dies
 or hangs turns its sessions into failed rows and the verdict INVALID (a client-side cause).
@@ -30,7 +31,8 @@ import numpy as np
 
 from .config import ENV_PREFIX, FRAME_PERIOD_S, DriverConfig
 from .input_audio import frame_count
-from .load import Shard, mark_shared_response_ids, new_run, run_load, session_row
+from .calls import run_traffic
+from .load import Shard, mark_shared_response_ids, new_run, session_row
 from .report import merge_counts, progress_counts
 
 ADMITTED = "load_driver:admitted"
@@ -75,7 +77,7 @@ class ProgressFeed:
 
 
 async def run_shard(config: DriverConfig, shard: Shard, pcm: np.ndarray) -> dict[str, Any]:
-    """One child's part: run_load on its shard, started by the parent's shared input start."""
+    """One child's part: calls.run_traffic on its shard, started by the parent's shared input start."""
     loop = asyncio.get_running_loop()
     start: asyncio.Future[float] = loop.create_future()
     task = asyncio.current_task()
@@ -104,7 +106,7 @@ async def run_shard(config: DriverConfig, shard: Shard, pcm: np.ndarray) -> dict
 
     try:
         feed = ProgressFeed() if config.progress else None
-        return await run_load(config, pcm, feed, shard=shard, start_at=start_at)
+        return await run_traffic(config, pcm, feed, shard=shard, start_at=start_at)
     finally:
         finished = True
 

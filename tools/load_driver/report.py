@@ -15,6 +15,8 @@ import numpy as np
 
 from .config import FRAME_PERIOD_S, SAMPLE_RATE_HZ, UNDERRUN_THRESHOLD_S, DriverConfig
 from .metrics import frame_latencies_ms, linear_percentile, own_lateness_s
+from .traffic import ARRIVALS, TOGETHER, Plan, make_plan
+from .traffic_stats import calls_summary, window_summary
 from .validate import AUDIO_DELTA_TYPES
 from .verdict import CLIENT_LATENESS_P99_LIMIT_MS, CLIENT_RTF_LIMIT, PASS, judge, row_sends
 
@@ -132,18 +134,41 @@ def _worst(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> floa
     return max(values) if values else None
 
 
+def traffic_block(config: DriverConfig, plan: Plan) -> dict[str, Any]:
+    """The traffic as configured and planned (traffic.py), seconds from the shared start."""
+    block: dict[str, Any] = {"pattern": config.traffic, "open": config.open, "seed": config.traffic_seed,
+                             "ramp_end_s": round(plan.ramp_end_s, 3), "end_s": round(plan.end_s, 3)}
+    if config.traffic == TOGETHER:
+        return block
+    if config.traffic == ARRIVALS:
+        block.update(arrivals=config.arrivals, arrival_rate_per_s=config.arrival_rate, hold_s=config.hold_s,
+                     settle_s=config.settle_s, redial_gap_s=config.redial_gap_s)
+    else:
+        block.update(burst_window_s=config.burst_window_s, hold_s=config.hold_s)
+    block["call_length"] = ({"distribution": "min + exponential", "mean_s": config.call_mean_s,
+                             "min_s": config.call_min_s} if config.call_mean_s else "until the end")
+    block["retry"] = {"max_tries": config.max_tries, "for_s": config.retry_for_s}
+    return block
+
+
 def load_result(config: DriverConfig, identity: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     rows = run["sessions"]
-    judged = judge(rows, run["driver_processes"], config)
+    plan = make_plan(config)
+    start = run["stream_start_s"]
+    window = (start + plan.window_s[0], start + plan.window_s[1])
+    judged = judge(rows, run["driver_processes"], config, window if config.traffic == ARRIVALS else None)
     passed = judged["verdict"] == PASS
     return {
-        "schema_version": 2,
+        "schema_version": 3,
         "mode": "paced_multi_session",
         "verdict": judged["verdict"],
         "passed": passed,
         "ok": passed,
         "reasons": judged["reasons"],
         "summary": judged["summary"],
+        "traffic": traffic_block(config, plan),
+        "calls": calls_summary(rows, config.retry_for_s),
+        "window": window_summary(rows, window),
         "driver_procs": len(run["driver_processes"]),
         "driver_processes": run["driver_processes"],
         "client": judged["client"],
@@ -211,7 +236,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def summary_table(result: dict[str, Any]) -> str:
-    header = ("#", "proc", "session", "ok", "in", "out", "voiced", "first ms", "lat p99", "ivl p99", "own late p99",
+    header = ("#", "proc", "session", "status", "in", "out", "voiced", "first ms", "lat p99", "ivl p99", "own late p99",
               "underrun s", "error")
     lines = [header]
     for row in result["sessions"]:
@@ -219,7 +244,7 @@ def summary_table(result: dict[str, Any]) -> str:
             _fmt(row["index"]),
             _fmt(row["driver_proc"]),
             _fmt(row["session_id"])[:20],
-            _fmt(row["ok"]),
+            _fmt(row["status"]),
             _fmt(row["input_frames"]),
             _fmt(row["output_frames"]),
             _fmt(row["voiced_frames"]),
@@ -240,8 +265,16 @@ def summary_table(result: dict[str, Any]) -> str:
         f"client own lateness p99 {_fmt(summary['client_own_send_lateness_p99_ms'])} ms, real-time factor "
         f"{_fmt(summary['client_send_rtf'], 3)}; {result['driver_procs']} driver process(es)"
     )
+    calls = result["calls"]
+    refusals = calls["refusals"]
     text.append(
-        f"{result['verdict']}: {result['passed_sessions']}/{result['requested_sessions']} sessions passed "
+        f"{result['traffic']['pattern']} traffic, {result['traffic']['open']} open: {calls['callers']} callers "
+        f"{calls['status']}; refusals {refusals['total']} {refusals['by_type']} ({refusals['after_created']} after "
+        f"session.created), {refusals['callers_refused']} callers refused, {calls['refused_callers_served']} of them "
+        f"served; window {result['window']['length_s']:.1f} s"
+    )
+    text.append(
+        f"{result['verdict']}: {result['passed_sessions']}/{len(result['sessions'])} sessions passed "
         f"({result['admitted_sessions']} admitted); shared response ids: {len(result['shared_response_ids'])}"
     )
     text.extend(f"  - {reason}" for reason in result["reasons"])

@@ -23,14 +23,26 @@ class SessionLost(RuntimeError):
     """The connection ended (or its reader failed) while the driver was waiting on it."""
 
 
-def realtime_url(base: str, model: str | None) -> str:
-    """The duplex URL with `autostart=0`: the driver's own session.update opens the session."""
+# The model name the gateway shows clients; it accepts any (cut to 128 characters).
+SDK_MODEL = "nvidia/personaplex-7b-v1"
+# What answers the open of each style (config.OPENS): the driver streams after it.
+OPEN_ANSWER = {"autostart0": "session.created", "sdk": "session.updated"}
+
+
+def realtime_url(base: str, model: str | None, open_style: str = "autostart0") -> str:
+    """The duplex URL of an open style. autostart0: `autostart=0`, so the driver's own session.update
+    opens the session. sdk: `?model=` as the SDKs connect, so the server autostarts a session with
+    its defaults at once (and the session.update that follows changes it)."""
     parts = urlsplit(base)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     query.setdefault("duplex", "1")
-    query["autostart"] = "0"
-    if model:
-        query["model"] = model
+    if open_style == "sdk":
+        query.pop("autostart", None)
+        query["model"] = model or SDK_MODEL
+    else:
+        query["autostart"] = "0"
+        if model:
+            query["model"] = model
     return urlunsplit((parts.scheme, parts.netloc, parts.path or "/v1/realtime", urlencode(query), parts.fragment))
 
 
@@ -57,6 +69,11 @@ class RealtimeSession:
         self.events: list[dict[str, Any]] = []
         self.received_at: list[float] = []
         self.protocol_faults: list[str] = []  # fixed codes: non_json_event, binary_message, untyped_event
+        self.connect_started_at: float | None = None
+        self.close_requested = False  # the driver asked for the end (session.close, or its own close)
+        self.close_code: int | None = None  # the WebSocket's close code, once the server ended it
+        self.ended_by_server = False  # the connection ended before the driver asked
+        self.closed_at: float | None = None  # when the server's close arrived
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
@@ -65,6 +82,7 @@ class RealtimeSession:
     # -- connection -------------------------------------------------------------------------
 
     async def connect(self, timeout_s: float) -> None:
+        self.connect_started_at = time.monotonic()
         self._ws = await connect(
             self.url,
             open_timeout=timeout_s,
@@ -75,9 +93,10 @@ class RealtimeSession:
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
-        assert self._ws is not None
+        ws = self._ws
+        assert ws is not None
         try:
-            async for message in self._ws:
+            async for message in ws:
                 now = time.monotonic()
                 if isinstance(message, bytes):
                     self.protocol_faults.append("binary_message")
@@ -93,13 +112,19 @@ class RealtimeSession:
                 self.events.append(event)
                 self.received_at.append(now)
                 self._wakeup.set()
-            self._lost = "closed"
+            self._server_closed(ws)
         except ConnectionClosed:
-            self._lost = "closed"
+            self._server_closed(ws)
         except Exception as exc:  # noqa: BLE001 - reported as a type name, the session then fails
             self._lost = f"reader {type(exc).__name__}"
         finally:
             self._wakeup.set()
+
+    def _server_closed(self, ws: ClientConnection) -> None:
+        self._lost = "closed"
+        self.closed_at = time.monotonic()
+        self.close_code = ws.close_code
+        self.ended_by_server = not self.close_requested
 
     @property
     def connected(self) -> bool:
@@ -115,6 +140,7 @@ class RealtimeSession:
 
     async def close(self) -> None:
         """Close the WebSocket: the handshake is bounded by cleanup_timeout_s, then the transport is aborted."""
+        self.close_requested = True
         ws, self._ws = self._ws, None
         try:
             if ws is not None:
@@ -141,12 +167,18 @@ class RealtimeSession:
         return self.of_type("error")
 
     def error_codes(self) -> list[str]:
-        codes = []
+        return self._error_field("code")
+
+    def error_types(self) -> list[str]:
+        return self._error_field("type")
+
+    def _error_field(self, key: str) -> list[str]:
+        values = []
         for event in self.errors():
             body = event.get("error")
-            code = body.get("code") if isinstance(body, dict) else None
-            codes.append(code if isinstance(code, str) else "unknown")
-        return codes
+            value = body.get(key) if isinstance(body, dict) else None
+            values.append(value if isinstance(value, str) else "unknown")
+        return values
 
     async def wait_for(self, predicate: Callable[[], Any], timeout_s: float, label: str) -> Any:
         """Wait until predicate() is truthy; TimeoutError(label) or SessionLost if the connection ends first."""
@@ -167,17 +199,16 @@ class RealtimeSession:
             except TimeoutError:
                 pass
 
-    async def open(self, update: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send session.update; return the first `session.created` or `error` event."""
+    async def open(self, update: dict[str, Any], timeout_s: float, answer: str = "session.created") -> dict[str, Any]:
+        """Send session.update; return the first `answer` (OPEN_ANSWER's) or `error` event."""
         await self.send(update, timeout_s)
         return await self.wait_for(
-            lambda: next((e for e in self.events if e["type"] in ("session.created", "error")), None),
-            timeout_s,
-            "session.created",
-        )
+            lambda: next((e for e in self.events if e["type"] in (answer, "error")), None), timeout_s, answer)
 
     async def request_close(self, timeout_s: float) -> None:
         """session.close, then wait for session.closed; both share one `timeout_s` budget."""
+
+        self.close_requested = True
 
         async def close_and_ack() -> None:
             await self.send({"type": "session.close"}, timeout_s)

@@ -8,8 +8,10 @@ INVALID, a client-side cause, when in any driver process or over all of them mer
   - a driver process failed.
 FAIL, when the client kept up:
   - any session failed (refused, error event, invalid audio, acceptance, shared response id, cleanup,
-    output underrun over --max-underrun-s: see load.session_row), or
-  - the frame latency p99 over every frame of every session exceeds --max-frame-latency-p99-ms, or
+    output underrun over --max-underrun-s: see load.session_row; in the arrivals and burst traffic a
+    caller that was refused and then served passes), or
+  - the frame latency p99 over every frame of every session (in the arrivals traffic: every frame sent
+    in the steady window, traffic.py) exceeds --max-frame-latency-p99-ms, or
   - the server took the input slower than real time (send schedule real-time factor over
     CLIENT_RTF_LIMIT: its backpressure held the sends back).
 INVALID wins over FAIL: when the client itself fell behind, a server failure may be its consequence,
@@ -38,10 +40,15 @@ def row_sends(row: dict[str, Any]) -> list[Send]:
             for s in row["input_timeline"]]
 
 
-def row_frame_latencies_ms(row: dict[str, Any]) -> list[float]:
+def row_frame_latencies_ms(row: dict[str, Any], window: tuple[float, float] | None = None) -> list[float]:
+    """Each frame's latency (metrics.frame_latencies_ms); with a window (time.monotonic()), only the
+    frames whose send started in it."""
     packets = row["audio_packet_timeline"]
-    return frame_latencies_ms([s["send_started_at_s"] for s in row["input_timeline"]],
-                              [p["received_at_s"] for p in packets], [p["samples"] for p in packets])
+    starts = [s["send_started_at_s"] for s in row["input_timeline"]]
+    latencies = frame_latencies_ms(starts, [p["received_at_s"] for p in packets], [p["samples"] for p in packets])
+    if window is None:
+        return latencies
+    return [ms for start, ms in zip(starts, latencies) if window[0] <= start <= window[1]]
 
 
 def _frame_weighted(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -80,8 +87,10 @@ def _cut(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def judge(rows: list[dict[str, Any]], processes: list[dict[str, Any]], config: DriverConfig) -> dict[str, Any]:
-    """verdict, reasons, client stats (merged and per driver process) and the run's summary numbers."""
+def judge(rows: list[dict[str, Any]], processes: list[dict[str, Any]], config: DriverConfig,
+          window: tuple[float, float] | None = None) -> dict[str, Any]:
+    """verdict, reasons, client stats (merged and per driver process) and the run's summary numbers;
+    the frame latency over the frames sent in `window` when one is given."""
     merged = client_stats(rows)
     per_process = [{"index": proc["index"], **client_stats([r for r in rows if r["driver_proc"] == proc["index"]])}
                    for proc in processes]
@@ -91,7 +100,7 @@ def judge(rows: list[dict[str, Any]], processes: list[dict[str, Any]], config: D
     invalid += [f"client: driver process {proc['index']} failed: {proc['error']}" for proc in processes
                 if proc["error"]]
 
-    frame_latency = percentiles([ms for row in rows for ms in row_frame_latencies_ms(row)])
+    frame_latency = percentiles([ms for row in rows for ms in row_frame_latencies_ms(row, window)])
     failed = [row for row in rows if not row["ok"]]
     fail = []
     if failed:
