@@ -5,7 +5,7 @@ state the full step gives them, bit for bit, and leaves every other slot as it w
 Two engines with the same sessions step the same random subsets, frame after frame: one with the full
 step (an active mask over every slot), one with compact steps of a random bucket that holds the subset
 (the slots in a random row order). Greedy and sampled sessions, voice and persona prompts, rings that
-wrap, a slot still prefilling while the others step, both alignments, stepping ahead, fp8 KV.
+wrap, a slot still prefilling while the others step, both alignments, stepping ahead, fp8 and 4-bit KV.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def begin_all(eng: TalkerEngine, voice: str) -> object:
 def state(eng: TalkerEngine) -> dict[str, torch.Tensor]:
     """Everything a step can change or read, per slot; KV stores as raw bytes (fp8 compares exactly)."""
     kv = eng.kv
-    stores = {name: getattr(kv, name) for name in ("k", "v", "k_scale", "v_scale") if hasattr(kv, name)}
+    stores = {name: getattr(kv, name) for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+              if hasattr(kv, name)}
     return {"hist": eng.hist, "offset": eng.offset, "start": eng.start, "first_output": eng.first_output,
             "seed": eng.seed, "length": kv.length,
             **{f"kv.{name}": t.contiguous().view(torch.uint8) for name, t in stores.items()}}
@@ -61,11 +62,11 @@ def assert_same_state(a: TalkerEngine, b: TalkerEngine, where: str) -> None:
         assert torch.equal(sa[name], sb[name]), f"{where}: {name} differs"
 
 
-@pytest.mark.parametrize("alignment,step_ahead,kv_fp8", [("personaplex", True, False), ("moshi", False, False),
-                                                         ("personaplex", False, True)])
-def test_a_compact_step_gives_the_full_steps_tokens_and_state(paths, alignment, step_ahead, kv_fp8):
+@pytest.mark.parametrize("alignment,step_ahead,kv_bits", [("personaplex", True, None), ("moshi", False, None),
+                                                          ("personaplex", False, 8), ("personaplex", True, 4)])
+def test_a_compact_step_gives_the_full_steps_tokens_and_state(paths, alignment, step_ahead, kv_bits):
     voice = CheckpointPaths(paths.root).voice_names()[0]
-    full, compact = (engine(paths, alignment=alignment, step_ahead=step_ahead, kv_fp8=kv_fp8) for _ in range(2))
+    full, compact = (engine(paths, alignment=alignment, step_ahead=step_ahead, kv_bits=kv_bits) for _ in range(2))
     assert compact.row_buckets == (8, SLOTS)
     jobs = [begin_all(e, voice) for e in (full, compact)]
     assert_same_state(full, compact, "after the prompts")
