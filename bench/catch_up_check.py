@@ -1,7 +1,7 @@
 """GPU check of the compact catch-up steps (TalkerEngine.step_rows): the full step's tokens and state,
 bit for bit, and what each bucket costs beside the full step.
 
-    python -m bench.catch_up_check [--slots 160] [--buckets 8,32] [--reps 20] [--out DIR]   # one H200
+    python -m bench.catch_up_check [--slots 160] [--buckets 8,32] [--kv-bits 8|4] [--reps 20] [--out DIR]  # one H200
     python -m bench.catch_up_check --smoke [--out DIR]     # the tiny model on the CPU: checks the script
 
 The talker as served at the headline: PersonaPlex-7B shapes with random weights made on the GPU, fp8
@@ -59,7 +59,7 @@ def full_size_model(device: str) -> LMModel:
 def build(args) -> TalkerEngine:
     tiny = CheckpointPaths.open(ensure_checkpoint("tiny", seed=0))
     buckets = tuple(int(b) for b in args.buckets.split(",") if b)
-    kw = dict(kv_fp8=True, alignment="personaplex", step_ahead=True, catch_up_buckets=buckets)
+    kw = dict(kv_bits=args.kv_bits, alignment="personaplex", step_ahead=True, catch_up_buckets=buckets)
     if args.smoke:
         return TalkerEngine.from_checkpoint(tiny, args.slots, device="cpu", **kw)
     fused.enable()
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=160)
     ap.add_argument("--buckets", default="8,32", help="compact step sizes (engine.CATCH_UP_BUCKETS)")
+    ap.add_argument("--kv-bits", type=int, default=8, choices=(8, 4), help="the KV ring: fp8 (the headline) or int4")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--trials", type=int, default=2, help="equality trials per bucket and active count")
     ap.add_argument("--out", default="bench/results")
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.slots, args.reps = min(args.slots, 40), min(args.reps, 3)
+        torch.set_num_threads(1)  # tiny steps: more threads only contend for the cores
     elif not torch.cuda.is_available():
         print("bench.catch_up_check needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu"
     result = {"device": device, "slots": eng.num_slots, "row_buckets": list(eng.row_buckets), "smoke": args.smoke,
+              "kv_bits": args.kv_bits,
               "compact_equal": equal, "graphed_full_equal": graphs_equal if eng.cuda_graph else None,
               "trials": trials, "costs": table, "warm_step_ms": {r: s * 1e3 for r, s in eng.warm_step_s.items()}}
     (out / "catch_up_check.json").write_text(json.dumps(result, indent=1) + "\n")
