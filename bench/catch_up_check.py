@@ -18,8 +18,9 @@ slot 0 left in the middle of its prompt.
    kept, so the sessions move on from trial to trial.
 2. Cost. Each bucket's graphed step with 1 and with all its rows active, and the full step with every
    slot active: wall time to the outputs on the host and GPU time (CUDA events), medians of --reps.
-   Beside them the idle warm-up time of each (engine.warm_step_s) and the clock's prior for a bucket
-   not yet measured (TickPolicy.catch_up_cost with the measured full step).
+   Beside them the idle warm-up time of each (engine.warm_step_s), the clock's prior for a bucket not
+   yet measured (TickPolicy.catch_up_cost with the measured full step: idle time plus the rows' share of
+   the full step's rest) and, to compare, the full step scaled by the two idle times ("ratio prior").
 Prints a table and writes catch_up_check.json under --out; exits 1 on any difference.
 """
 
@@ -176,6 +177,8 @@ def costs(eng: TalkerEngine, live: list[int], reps: int) -> list[dict]:
     for r in rows_out:
         r["warm_idle_ms"] = eng.warm_step_s[r["rows"]] * 1e3
         r["prior_ms"] = policy.catch_up_cost(r["rows"]) * 1e3
+        # the other prior one could take: the full step scaled by the two idle times
+        r["ratio_prior_ms"] = rows_out[0]["wall_ms"] * eng.warm_step_s[r["rows"]] / eng.warm_step_s[S]
     return rows_out
 
 
@@ -210,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncompact steps equal to the eager full step: {equal} ({len(trials)} trials); graphed full step "
           f"equal to the eager one: {graphs_equal if eng.cuda_graph else 'n/a (no graphs)'}")
     print(f"\n{'rows':>5} {'active':>6} {'wall p50 ms':>12} {'GPU p50 ms':>11} {'idle warm-up ms':>16} "
-          f"{'prior ms':>9}")
+          f"{'prior ms':>9} {'ratio prior ms':>15}")
     for r in table:
         print(f"{r['rows']:5d} {r['active']:6d} {r['wall_ms']:12.2f} {r['device_ms']:11.2f} "
-              f"{r['warm_idle_ms']:16.2f} {r['prior_ms']:9.2f}")
+              f"{r['warm_idle_ms']:16.2f} {r['prior_ms']:9.2f} {r['ratio_prior_ms']:15.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu"

@@ -753,7 +753,7 @@ async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkp
     """A catch-up step runs only the sessions still behind (idle rows attend over one KV entry), so
     whether one fits before the deadline is decided by the measured catch-up time, not by the main
     step's: a main step of many sessions fills most of the period, a catch-up of a few does not."""
-    main_s = 0.12  # a step of two or more rows; one row is fast
+    main_s = 0.25  # a step of two or more rows; one row is fast (its own 10-50 ms on a loaded CPU)
     clock = new_clock(SlowEngine(engine(tiny_checkpoint, "classic"), lambda rows: main_s if rows > 1 else 0.0))
     loop = asyncio.get_running_loop()
     try:
@@ -767,8 +767,8 @@ async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkp
         for seq, f in enumerate(frames[2:4], start=2):
             clock.push(a, seq, f)
         clock.push(b, 1, frames[1])
-        # 200 ms: a second main step would not fit after the first, the measured catch-up does.
-        assert await clock.tick(loop.time() + 0.2) == 2 and not a.inputs
+        # 400 ms: a second main step would not fit after the first, the measured catch-up does.
+        assert await clock.tick(loop.time() + 0.4) == 2 and not a.inputs
     finally:
         await close_all(clock)
 

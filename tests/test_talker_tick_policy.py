@@ -112,16 +112,18 @@ def test_a_catch_up_step_is_the_smallest_bucket_that_holds_the_sessions_behind_i
         TickPolicy(TICK).catch_up(0.0, TICK, few, {}, steps_run=1)
 
 
-def test_a_catch_up_size_not_yet_measured_costs_the_main_step_scaled_by_the_warm_up():
+def test_a_catch_up_size_not_yet_measured_costs_its_idle_time_plus_its_rows_share_of_the_main_step():
     policy = measured()
-    policy.steps_known(BUCKETS, {8: 0.004, 32: 0.006, 160: 0.018})  # idle steps at warm-up
-    assert policy.catch_up_cost(8) == pytest.approx(0.055 * 4 / 18)  # 12.2 ms: fits the 17 left
-    assert policy.catch_up_cost(32) == pytest.approx(0.055 / 3) and policy.catch_up_cost(160) == pytest.approx(0.055)
+    policy.steps_known(BUCKETS, {8: 0.008, 32: 0.010, 160: 0.018})  # idle steps at warm-up
+    per_slot = (0.055 - 0.018) / 160  # what the main step pays per slot beyond its idle time
+    assert policy.catch_up_cost(8) == pytest.approx(0.008 + 8 * per_slot)  # 9.9 ms: fits the 17 left
+    assert policy.catch_up_cost(32) == pytest.approx(0.010 + 32 * per_slot) and policy.catch_up_cost(160) == 0.055
+    # (the main step scaled by 8 / 18 would be 24 ms: a step that never fits, so never measured)
     step = policy.catch_up(MAIN_END, TICK, behind(3), {}, steps_run=1)
     assert step.rows == 8  # so it runs, and is measured from then on
     policy.step_measured(0.007, catch_up_rows=8)
     policy.step_measured(0.009, catch_up_rows=8)  # an EMA per bucket: 0.8 * 7 + 0.2 * 9
-    assert policy.catch_up_cost(8) == pytest.approx(0.0074) and policy.catch_up_cost(32) == pytest.approx(0.055 / 3)
+    assert policy.catch_up_cost(8) == pytest.approx(0.0074) and policy.catch_up_cost(32) == pytest.approx(0.0174)
     assert policy.step_s == pytest.approx(0.055)  # the main step's own average is untouched
     # no warm-up times (a clock driven by hand): the main step's cost, and with 25 ms left none fits
     bare = measured()

@@ -61,8 +61,8 @@ class TickPolicy:
     # buckets, then every slot. A catch-up step runs the smallest that holds the sessions behind,
     # or the largest that fits with the most behind of them.
     row_buckets: tuple[int, ...] = ()
-    # The engine's warm-up time of an idle step of each row count (engine.warm_step_s): how a
-    # catch-up step of a size not yet measured here compares with a main step (catch_up_cost).
+    # The engine's warm-up time of an idle step of each row count (engine.warm_step_s): the fixed
+    # part of a catch-up step of a size not yet measured here (catch_up_cost).
     warm_s: dict[int, float] = field(default_factory=dict)
     # Measured times (EMAs, seconds): the main step, catch-up steps by row count, prefill pieces.
     step_s: float = 0.0
@@ -129,15 +129,20 @@ class TickPolicy:
         return {s: len(s.inputs) - 1 for s in batch}
 
     def catch_up_cost(self, rows: int) -> float:
-        """Predicted seconds of a catch-up step of `rows` rows: its measured average; before one is
-        measured, the main step's scaled by how the two compared idle at warm-up; without warm-up
-        times (a clock driven by hand), the main step's."""
+        """Predicted seconds of a catch-up step of `rows` rows: its measured average. Before one is
+        measured: a step costs a fixed part, what it costs idle (its warm-up time), plus its active
+        rows' share of the rest, at the rate the main step pays per slot beyond its own idle time.
+        (Scaling the main step by warm(rows) / warm(every slot) would scale that rest too: at 160
+        full-context slots it predicts 2-3x a compact step's cost, and one that never fits is never
+        measured.) Without warm-up times (a clock driven by hand): the main step's."""
         if rows in self.catch_up_s:
             return self.catch_up_s[rows]
-        warm, warm_full = self.warm_s.get(rows), self.warm_s.get(self.row_buckets[-1] if self.row_buckets else None)
-        if warm and warm_full:
-            return self.step_s * min(1.0, warm / warm_full)
-        return self.step_s
+        every = self.row_buckets[-1] if self.row_buckets else None
+        warm, warm_every = self.warm_s.get(rows), self.warm_s.get(every)
+        if warm is None or warm_every is None:
+            return self.step_s
+        per_slot = max(0.0, self.step_s - warm_every) / every
+        return min(self.step_s, warm + per_slot * rows)
 
     def catch_up(self, now: float, period_end: float, behind: list[Session], lags: dict[Session, int],
                  steps_run: int) -> CatchUpStep | None:
