@@ -391,8 +391,8 @@ class TalkerEngine:
         # The row counts a step can run (step_rows): the compact buckets, then every slot.
         self.row_buckets = (*sorted({b for b in catch_up_buckets if b < slots}), slots)
         self._compact = {b: _CompactStep(self, b) for b in self.row_buckets[:-1]}
-        # Seconds of one step of each row count with every row idle, timed by warmup(): what a
-        # catch-up step of that size costs relative to a full one before the clock has measured it.
+        # Seconds of one step of each row count with every row idle, timed by warmup(): the fixed part
+        # of a catch-up step of that size, the clock's prior until it has measured one (tick_policy.py).
         self.warm_step_s: dict[int, float] = {}
         # Benchmark only (TalkerConfig.bench_full_context): a session goes live as if it had already
         # filled its ring, so every step costs what the steady state costs.
@@ -589,7 +589,7 @@ class TalkerEngine:
         col = (o % RING)[:, None, None].expand(B, self.cfg.num_streams, 1)
         tokens = hist.gather(2, col)[..., 0]
         tokens = torch.where(o[:, None] <= self.delays[None, :], self.initial[None, :], tokens)
-        # (no id range check: user codes were checked in step(), everything else in the history is ours)
+        # (no id range check: user codes were checked in step()/step_rows(), the rest of the history is ours)
         h = self._temporal_step(self.model.embed(tokens[:, None], check=False), act, rows)[:, 0]
         # 3. sample text, then the depformer's 8 agent codebooks
         text_params = self._params(self._text, self._text_k, self.text_card, of)

@@ -132,9 +132,10 @@ class TickPolicy:
         """Predicted seconds of a catch-up step of `rows` rows: its measured average. Before one is
         measured: a step costs a fixed part, what it costs idle (its warm-up time), plus its active
         rows' share of the rest, at the rate the main step pays per slot beyond its own idle time.
-        (Scaling the main step by warm(rows) / warm(every slot) would scale that rest too: at 160
-        full-context slots it predicts 2-3x a compact step's cost, and one that never fits is never
-        measured.) Without warm-up times (a clock driven by hand): the main step's."""
+        (Scaling the main step by warm(rows) / warm(every slot) would scale the fixed part by the
+        main step's rest too, about 3x at 160 full-context slots: 55 ms against 18 idle, bench/RESULTS.md;
+        and a step predicted not to fit is never run, so never measured.) Without warm-up times (a
+        clock driven by hand): the main step's."""
         if rows in self.catch_up_s:
             return self.catch_up_s[rows]
         every = self.row_buckets[-1] if self.row_buckets else None
