@@ -125,6 +125,8 @@ def talker_block(before: dict, after: dict) -> dict:
         "frames_advanced": int(counter_delta(before, after, "duplex_talker_frames_advanced")),
         "frames_skipped": int(counter_delta(before, after, "duplex_talker_frames_skipped")),
         "catch_up_steps": int(counter_delta(before, after, "duplex_talker_catch_up_steps")),
+        "catch_up_steps_by_rows": {k: int(v) for k, v in counter_by_label(before, after, "duplex_talker_catch_up_steps",
+                                                                          "rows").items()},
         # What the late ticks held: forced catch-up steps (past the deadline for a session
         # catch_up_lag_frames behind), slow ticks by cause, periods dropped, sessions still behind.
         "catch_up_steps_forced": int(counter_delta(before, after, "duplex_talker_catch_up_steps_forced")),
@@ -360,8 +362,11 @@ def late_tick_line(run: dict) -> str:
     t = run["talker"]
     causes = ", ".join(f"{k} {v}" for k, v in sorted((t.get("slow_ticks_by_cause") or {}).items())) or "none"
     behind = t.get("sessions_behind") or {}
+    by_rows = ", ".join(f"{k} rows {v}" for k, v in sorted((t.get("catch_up_steps_by_rows") or {}).items(),
+                                                             key=lambda kv: int(kv[0])))
     return (f"N={run['sessions']} slow ticks by cause: {causes}; catch-up steps {t.get('catch_up_steps')} "
-            f"({t.get('catch_up_steps_forced')} forced past the deadline); periods dropped {t.get('ticks_dropped')}; "
+            f"({by_rows + '; ' if by_rows else ''}{t.get('catch_up_steps_forced')} forced past the deadline); "
+            f"periods dropped {t.get('ticks_dropped')}; "
             f"sessions a frame or more behind per tick mean/p99 {behind.get('mean', '-')}/{behind.get('p99', '-')}"
             + "; step parts p50/p99 (ms): " + ", ".join(
                 f"{p} {s.get('p50')}/{s.get('p99')}" for p, s in (t.get("step_parts_ms") or {}).items()

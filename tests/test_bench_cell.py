@@ -282,7 +282,8 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
         return {"talker": parse_metrics(generate_latest(m.stage.registry).decode())}
 
     snaps = [(0.0, snap())]
-    m.catch_up_steps.inc(3)
+    m.catch_up_steps.labels(rows="8").inc(2)
+    m.catch_up_steps.labels(rows="160").inc()
     m.catch_up_forced.inc(2)
     m.slow_ticks.labels(cause="catch_up").inc(2)
     m.slow_ticks.labels(cause="late_start").inc()
@@ -296,6 +297,7 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
     snaps.append((2.0, snap()))  # a quiet second
     block = talker_block(snaps[0][1]["talker"], snaps[-1][1]["talker"])
     assert (block["catch_up_steps"], block["catch_up_steps_forced"], block["ticks_dropped"]) == (3, 2, 1)
+    assert block["catch_up_steps_by_rows"] == {"8": 2, "160": 1}
     assert block["slow_ticks_by_cause"] == {"catch_up": 2, "late_start": 1}
     assert block["sessions_behind"]["count"] == 4
     assert block["prefill_pieces"] == {"step": 5}  # none alone: zeros are left out
@@ -305,7 +307,8 @@ def test_what_late_ticks_held_is_read_from_the_talkers_own_metrics():
     assert 40 <= parts["gpu_wait"]["p50"] <= 50  # bucket resolution: (40, 50] ms
     line = late_tick_line({"sessions": 144, "talker": block})
     assert "gpu_wait " in line and "loop_resume " in line and "launch " not in line
-    assert "catch_up 2, late_start 1" in line and "(2 forced past the deadline)" in line and "dropped 1" in line
+    assert "catch_up 2, late_start 1" in line and "dropped 1" in line
+    assert "catch-up steps 3 (8 rows 2, 160 rows 1; 2 forced past the deadline)" in line
     rows = stage_timeline(snaps)
     assert {k: v for k, v in rows[0].items() if k.startswith(("talker_catch", "talker_slow", "talker_ticks"))} == {
         "talker_catch_ups": 3, "talker_catch_ups_forced": 2, "talker_ticks_dropped": 1,

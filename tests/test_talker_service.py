@@ -32,6 +32,9 @@ OTHER_PERSONA = "Be kind."
 TICK_MS = 40.0
 # One slot count for every in-process test: engines are loaded once per module (see `engine`).
 SLOTS = 3
+# ... but one: the catch-up test's cell is wide enough for a compact step (engine.CATCH_UP_BUCKETS)
+# below it, and its reference engine as wide (the CPU's GEMMs give a row the same bits from 8 rows on).
+WIDE_SLOTS = 12
 
 
 def user_frames(n: int, seed: int) -> list[list[int]]:
@@ -52,23 +55,25 @@ _ENGINES: dict = {}
 
 def engine(ckpt, role: str):
     """One engine per role for the whole module (loading takes seconds): "served" steps ahead as
-    TalkerService builds it; "reference" and "classic" (the clock's tick tests) take frame j at step j.
+    TalkerService builds it; "reference" and "classic" (the clock's tick tests) take frame j at step j;
+    "wide-served" and "wide-reference" are the same with WIDE_SLOTS slots.
     An engine passes from test to test; engine.begin must reset a slot completely (tested)."""
     from services.talker.engine import TalkerEngine
 
     if role not in _ENGINES:
         paths = CheckpointPaths.open(ckpt, require=("lm", "tokenizer"))
         # served as TalkerService builds it (stepping ahead); the reference steps the classic way
-        _ENGINES[role] = TalkerEngine.from_checkpoint(paths, slots=SLOTS, step_ahead=role == "served")
+        _ENGINES[role] = TalkerEngine.from_checkpoint(paths, slots=WIDE_SLOTS if role.startswith("wide") else SLOTS,
+                                                      step_ahead=role.endswith("served"))
     return _ENGINES[role]
 
 
-def reference_outputs(ckpt, slot: int, voice, persona: str, frames, seed: int = 1):
+def reference_outputs(ckpt, slot: int, voice, persona: str, frames, seed: int = 1, role: str = "reference"):
     """(text_token, agent_codes) per output of one session run alone in an engine slot."""
     from services.talker.engine import SamplingParams
 
-    slots = SLOTS
-    eng = engine(ckpt, "reference")
+    eng = engine(ckpt, role)
+    slots = eng.num_slots
     job = eng.begin(slot, voice, persona, SamplingParams(greedy=True, seed=seed))
     while not job.run(64):
         pass
@@ -94,11 +99,11 @@ def config(ckpt, **kw) -> TalkerConfig:
 
 
 class Service:
-    def __init__(self, cfg: TalkerConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: TalkerConfig, eng=None):
+        self.cfg, self.eng = cfg, eng
 
     async def __aenter__(self):
-        self.svc = await TalkerService(self.cfg, engine(self.cfg.checkpoint, "served")).start()
+        self.svc = await TalkerService(self.cfg, self.eng or engine(self.cfg.checkpoint, "served")).start()
         self.channel = grpc.aio.insecure_channel(self.svc.address)
         self.stub = talker_pb2_grpc.TalkerStub(self.channel)
         return self
@@ -107,8 +112,8 @@ class Service:
         await self.channel.close()
         await self.svc.stop()
 
-    def metric(self, name: str) -> float:
-        v = self.svc.runtime.metrics.registry.get_sample_value(name)
+    def metric(self, name: str, **labels) -> float:
+        v = self.svc.runtime.metrics.registry.get_sample_value(name, labels)
         return 0.0 if v is None else v
 
     async def capacity(self) -> common_pb2.Capacity:
@@ -332,9 +337,80 @@ async def test_burst_is_caught_up_with_extra_steps(tiny_checkpoint):
         elapsed = time.monotonic() - t0
         # One step per tick would take 12 ticks; catch-up steps use the rest of each period.
         assert elapsed < 0.6 * 12 * tick, elapsed
-        assert s.metric("duplex_talker_catch_up_steps_total") >= 1
+        assert s.metric("duplex_talker_catch_up_steps_total", rows=str(SLOTS)) >= 1
         await sess.finish()
         assert sess.as_pairs() == reference_outputs(tiny_checkpoint, sess.ready.slot, None, PERSONA, frames)
+
+
+class GpuShapedEngine:
+    """The served engine with a GPU's cost shape, where a step costs what its rows cost whoever is
+    active: a step of every slot takes full_s more, a compact one compact_s more, and its warm-up
+    times (the clock's prior for catch-up sizes not yet measured) say the same."""
+
+    def __init__(self, eng, full_s: float, compact_s: float):
+        self._eng, self.full_s, self.compact_s = eng, full_s, compact_s
+
+    def step(self, codes, active):
+        time.sleep(self.full_s)
+        return self._eng.step(codes, active)
+
+    def step_rows(self, slots, codes, rows):
+        time.sleep(self.full_s if rows == self._eng.num_slots else self.compact_s)
+        return self._eng.step_rows(slots, codes, rows)
+
+    @property
+    def warm_step_s(self) -> dict[int, float]:
+        return {rows: self.full_s if rows == self._eng.num_slots else self.compact_s for rows in self.row_buckets}
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+
+async def test_a_session_that_falls_behind_catches_up_while_others_stream(tiny_checkpoint):
+    """A cell whose main step takes half the period, where a catch-up step of every slot never fits
+    beside it: one session's frames stall for three periods and then come at once while three others
+    stream. Compact catch-up steps bring it back to lag 0 in the tick they arrive (no forced step,
+    no step of every slot), its later outputs leave as soon as their inputs arrive, like the others',
+    and every session's outputs are token for token its run alone."""
+    period, n = 0.4, 14  # long: the CPU's own step time (10-60 ms, loaded) stays small beside the shaped costs
+    served = GpuShapedEngine(engine(tiny_checkpoint, "wide-served"), full_s=0.5 * period, compact_s=0.05 * period)
+    assert served.row_buckets == (8, WIDE_SLOTS)
+    cfg = config(tiny_checkpoint, slots=WIDE_SLOTS, tick_ms=period * 1000)
+    async with Service(cfg, served) as s:
+        names = ("late", "a", "b", "c")
+        sessions = {name: Session(s.stub, name) for name in names}
+        for sess in sessions.values():
+            await sess.open()
+        frames = {name: user_frames(n, 200 + i) for i, name in enumerate(names)}
+
+        async def stall_then_burst(sess, fs):
+            await sess.send_paced(fs[:5], period)
+            await asyncio.sleep(3 * period)  # frames 5..7 held back by the network ...
+            for f in fs[5:8]:
+                await sess.send(f)  # ... then delivered together
+            await sess.send_paced(fs[8:], period)
+
+        await asyncio.gather(stall_then_burst(sessions["late"], frames["late"]),
+                             *(sessions[x].send_paced(frames[x], period) for x in names[1:]))
+        for sess in sessions.values():
+            await sess.finish()
+        compact = s.metric("duplex_talker_catch_up_steps_total", rows="8")
+        full = s.metric("duplex_talker_catch_up_steps_total", rows=str(WIDE_SLOTS))
+        forced = s.metric("duplex_talker_catch_up_steps_forced_total")
+        behind = s.metric("duplex_talker_sessions_behind_sum")
+    assert compact >= 1 and full == 0, (compact, full, forced)
+    assert behind <= 3, behind  # session-ticks a frame behind: the burst's tick (and jitter), not every tick after
+    late = sessions["late"]
+    delay = late.ready.output_delay_frames
+    waits = [late.output_times[i] - late.sent_times[o.input_seq] for i, o in enumerate(late.outputs)]
+    # the outputs answering the last frames leave as their inputs arrive (one frame behind, each
+    # would wait for the next tick)
+    assert sorted(waits[-5:])[2] < 0.25 * period, waits
+    assert len(late.outputs) == n - delay
+    for i, name in enumerate(names):
+        want = reference_outputs(tiny_checkpoint, sessions[name].ready.slot, None, PERSONA, frames[name],
+                                 role="wide-reference")
+        assert sessions[name].as_pairs() == want, name
 
 
 async def test_full_talker_answers_resource_exhausted(tiny_checkpoint):
@@ -516,6 +592,10 @@ class SlowEngine:
         time.sleep(self.delay_s(int(active.sum())))
         return self._eng.step(codes, active)
 
+    def step_rows(self, slots, codes, rows):
+        time.sleep(self.delay_s(len(slots)))
+        return self._eng.step_rows(slots, codes, rows)
+
     def __getattr__(self, name):
         return getattr(self._eng, name)
 
@@ -673,7 +753,7 @@ async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkp
     """A catch-up step runs only the sessions still behind (idle rows attend over one KV entry), so
     whether one fits before the deadline is decided by the measured catch-up time, not by the main
     step's: a main step of many sessions fills most of the period, a catch-up of a few does not."""
-    main_s = 0.12  # a step of two or more rows; one row is fast
+    main_s = 0.25  # a step of two or more rows; one row is fast (its own 10-50 ms on a loaded CPU)
     clock = new_clock(SlowEngine(engine(tiny_checkpoint, "classic"), lambda rows: main_s if rows > 1 else 0.0))
     loop = asyncio.get_running_loop()
     try:
@@ -683,12 +763,12 @@ async def test_a_catch_up_step_is_judged_by_what_catch_up_steps_cost(tiny_checkp
             clock.push(a, seq, f)
         clock.push(b, 0, frames[0])
         assert await clock.tick(loop.time() + 10) == 2  # plenty of room: both steps measured
-        assert clock.policy.step_s >= main_s > clock.policy.catch_up_s
+        assert clock.policy.step_s >= main_s > clock.policy.catch_up_s[SLOTS]  # (3 slots: no compact bucket)
         for seq, f in enumerate(frames[2:4], start=2):
             clock.push(a, seq, f)
         clock.push(b, 1, frames[1])
-        # 200 ms: a second main step would not fit after the first, the measured catch-up does.
-        assert await clock.tick(loop.time() + 0.2) == 2 and not a.inputs
+        # 400 ms: a second main step would not fit after the first, the measured catch-up does.
+        assert await clock.tick(loop.time() + 0.4) == 2 and not a.inputs
     finally:
         await close_all(clock)
 

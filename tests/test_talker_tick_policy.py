@@ -23,7 +23,7 @@ def session(name: str = "s", *, live: bool = True, queued: int = 0, last_input_a
 
 def test_a_frame_that_arrives_after_the_input_wait_makes_its_session_skip_the_tick():
     policy = TickPolicy(TICK, input_wait_s=0.015)
-    policy.step_measured(0.05, catch_up=False)
+    policy.step_measured(0.05)
     start, period_end = 10.0, 10.08
     late, on_time = session("late", last_input_at=9.95), session("on_time", queued=1, last_input_at=9.99)
     assert policy.frame_due(late, start) and not policy.frame_due(on_time, start)
@@ -37,9 +37,9 @@ def test_a_frame_that_arrives_after_the_input_wait_makes_its_session_skip_the_ti
 
 def test_the_input_wait_never_runs_into_the_steps_share_of_the_period():
     policy = TickPolicy(TICK, input_wait_s=0.04)
-    policy.step_measured(0.05, catch_up=False)
+    policy.step_measured(0.05)
     assert policy.input_wait_end(0.0, TICK) == pytest.approx(TICK - 0.05 - HEADROOM)  # 22 ms, not 40
-    policy.step_measured(0.2, catch_up=False)  # an EMA: 0.8 * 50 + 0.2 * 200 = 80 ms
+    policy.step_measured(0.2)  # an EMA: 0.8 * 50 + 0.2 * 200 = 80 ms
     assert policy.step_s == pytest.approx(0.08)
     assert policy.input_wait_end(0.0, TICK) < 0.0  # no time to wait at all
     assert TickPolicy(TICK).input_wait_end(0.0, TICK) is None  # input_wait_s 0: never wait
@@ -48,14 +48,14 @@ def test_the_input_wait_never_runs_into_the_steps_share_of_the_period():
 def test_the_input_wait_leaves_room_for_the_slowest_recent_step():
     policy = TickPolicy(TICK, input_wait_s=0.015)
     for _ in range(20):
-        policy.step_measured(0.05, catch_up=False)
+        policy.step_measured(0.05)
     assert policy.input_wait_end(0.0, TICK) == pytest.approx(0.015)  # 50 ms steps: the whole wait
-    policy.step_measured(0.07, catch_up=False)  # one slow step: the average moves 4 ms, the bound 20
+    policy.step_measured(0.07)  # one slow step: the average moves 4 ms, the bound 20
     assert policy.input_wait_end(0.0, TICK) == pytest.approx(TICK - 0.07 - 0.003)
-    policy.step_measured(0.2, catch_up=True)  # catch-up steps do not count
+    policy.step_measured(0.2, catch_up_rows=8)  # catch-up steps do not count
     assert policy.input_wait_end(0.0, TICK) == pytest.approx(TICK - 0.07 - 0.003)
     for _ in range(256):  # out of the window of recent steps
-        policy.step_measured(0.05, catch_up=False)
+        policy.step_measured(0.05)
     assert policy.input_wait_end(0.0, TICK) == pytest.approx(0.015)
 
 
@@ -73,32 +73,81 @@ def test_a_step_takes_live_sessions_with_a_frame_and_the_lag_counts_frames_besid
     a, b, idle, opening = session("a", queued=3), session("b", queued=1), session("idle"), session(live=False, queued=2)
     batch = TickPolicy.batch([a, b, idle, opening])
     assert batch == [a, b]
-    assert TickPolicy.lag_frames(batch) == 2 and TickPolicy.lag_frames([b]) == 0
+    assert TickPolicy.lags(batch) == {a: 2, b: 0}
 
 
-def test_a_catch_up_step_is_judged_by_its_own_measured_cost():
-    policy = TickPolicy(TICK)
-    policy.step_measured(0.05, catch_up=False)
-    # Unmeasured, a catch-up step is taken to cost a main step: 50 + 8 ms do not fit in 40.
-    assert policy.catch_up(now=0.04, period_end=TICK, steps_run=1, lag=1) is CatchUp.NONE
-    policy.step_measured(0.018, catch_up=True)
-    assert policy.catch_up_s == pytest.approx(0.018) and policy.step_s == pytest.approx(0.05)
-    assert policy.catch_up(now=0.04, period_end=TICK, steps_run=1, lag=1) is CatchUp.FITS  # 18 + 8 ms in 40
-    assert policy.catch_up(now=0.04, period_end=TICK, steps_run=3, lag=1) is CatchUp.FITS  # as many as fit
+BUCKETS = (8, 32, 160)  # engine.row_buckets at 160 slots: compact steps of 8 and 32 rows, then every slot
+MAIN_END = 0.055  # a 55 ms main step: 25 ms of the period left, 17 after the headroom
 
 
-def test_a_catch_up_step_that_would_not_fit_is_not_taken_unless_a_session_is_too_far_behind():
-    policy = TickPolicy(TICK)
-    policy.step_measured(0.05, catch_up=False)
-    policy.step_measured(0.018, catch_up=True)
-    now = TICK - 0.018 - HEADROOM + 0.001  # 1 ms too late for one
-    assert policy.catch_up(now, TICK, steps_run=1, lag=1) is CatchUp.NONE  # one frame behind: the next tick's
-    assert policy.catch_up(now, TICK, steps_run=1, lag=2) is CatchUp.FORCED  # two: one step past the deadline
-    assert policy.catch_up(now, TICK, steps_run=2, lag=5) is CatchUp.NONE  # and only one per tick
-    patient = TickPolicy(TICK, catch_up_lag_frames=3, step_s=0.05, catch_up_s=0.018)
-    assert patient.catch_up(now, TICK, steps_run=1, lag=2) is CatchUp.NONE
-    assert patient.catch_up(now, TICK, steps_run=1, lag=3) is CatchUp.FORCED
-    assert policy.catch_up(now - 0.002, TICK, steps_run=1, lag=1) is CatchUp.FITS
+def behind(n: int, queued: int = 1) -> list[Session]:
+    return [session(f"s{i}", queued=queued) for i in range(n)]
+
+
+def measured(**catch_up_ms) -> TickPolicy:
+    """At 160 slots: a 55 ms main step, and catch-up steps of these row counts measured (ms)."""
+    policy = TickPolicy(TICK, row_buckets=BUCKETS)
+    policy.step_measured(0.055)
+    for rows, ms in catch_up_ms.items():
+        policy.step_measured(ms / 1e3, catch_up_rows=int(rows.strip("r")))
+    return policy
+
+
+def test_a_catch_up_step_is_the_smallest_bucket_that_holds_the_sessions_behind_if_it_fits():
+    policy = measured(r8=6, r32=12)
+    few, many, crowd = behind(5), behind(20), behind(100)
+    step = policy.catch_up(MAIN_END, TICK, few, {}, steps_run=1)
+    assert (step.kind, step.rows, step.sessions) == (CatchUp.FITS, 8, few)  # 6 + 8 ms in 25
+    step = policy.catch_up(MAIN_END, TICK, many, {}, steps_run=1)
+    assert (step.rows, step.sessions) == (32, many)  # 12 + 8 ms
+    # 100 behind: every slot's step (55 ms) does not fit, the largest bucket that does takes 32 of them
+    step = policy.catch_up(MAIN_END, TICK, crowd, {}, steps_run=1)
+    assert (step.rows, step.sessions) == (32, crowd[:32])
+    # later in the period only 8 rows fit: the 8 most behind first
+    late = [*behind(10), *behind(3, queued=3), *behind(5, queued=2)]
+    step = policy.catch_up(TICK - 0.016, TICK, late, {}, steps_run=3)
+    assert step.rows == 8 and step.sessions == late[10:13] + late[13:18]
+    assert policy.catch_up(TICK - 0.013, TICK, late, {}, steps_run=3) is None  # 6 + 8 ms in 13: none
+    with pytest.raises(RuntimeError, match="row buckets"):
+        TickPolicy(TICK).catch_up(0.0, TICK, few, {}, steps_run=1)
+
+
+def test_a_catch_up_size_not_yet_measured_costs_its_idle_time_plus_its_rows_share_of_the_main_step():
+    policy = measured()
+    policy.steps_known(BUCKETS, {8: 0.008, 32: 0.010, 160: 0.018})  # idle steps at warm-up
+    per_slot = (0.055 - 0.018) / 160  # what the main step pays per slot beyond its idle time
+    assert policy.catch_up_cost(8) == pytest.approx(0.008 + 8 * per_slot)  # 9.9 ms: fits the 17 left
+    assert policy.catch_up_cost(32) == pytest.approx(0.010 + 32 * per_slot) and policy.catch_up_cost(160) == 0.055
+    # (the main step scaled by 8 / 18 would be 24 ms: a step that never fits, so never measured)
+    step = policy.catch_up(MAIN_END, TICK, behind(3), {}, steps_run=1)
+    assert step.rows == 8  # so it runs, and is measured from then on
+    policy.step_measured(0.007, catch_up_rows=8)
+    policy.step_measured(0.009, catch_up_rows=8)  # an EMA per bucket: 0.8 * 7 + 0.2 * 9
+    assert policy.catch_up_cost(8) == pytest.approx(0.0074) and policy.catch_up_cost(32) == pytest.approx(0.0174)
+    assert policy.step_s == pytest.approx(0.055)  # the main step's own average is untouched
+    # no warm-up times (a clock driven by hand): the main step's cost, and with 25 ms left none fits
+    bare = measured()
+    assert bare.catch_up_cost(8) == pytest.approx(0.055)
+    assert bare.catch_up(MAIN_END, TICK, behind(3), {}, steps_run=1) is None
+
+
+def test_a_catch_up_step_that_would_not_fit_runs_only_for_sessions_too_far_behind_in_the_bucket_that_holds_them():
+    policy = measured(r8=6, r32=12, r160=50)
+    now = TICK - 0.006 - HEADROOM + 0.001  # 1 ms too late for any
+    far, near = behind(2, queued=3), behind(20)
+    lags = {s: 2 for s in far} | {s: 0 for s in near}  # frames queued before the main step, besides its own
+    assert policy.catch_up(now, TICK, near, lags, steps_run=1) is None  # a frame behind: the next tick's
+    step = policy.catch_up(now, TICK, near + far, lags, steps_run=1)
+    # two frames behind: one step past the deadline, 8 rows for the 2, filled with the most behind of the rest
+    assert (step.kind, step.rows, step.sessions) == (CatchUp.FORCED, 8, far + near[:6])
+    assert policy.catch_up(now, TICK, near + far, lags, steps_run=2) is None  # and only one per tick
+    crowd = behind(40, queued=3)
+    step = policy.catch_up(now, TICK, crowd, {s: 2 for s in crowd}, steps_run=1)
+    assert (step.rows, step.sessions) == (160, crowd)  # 40 too far behind: every slot's step holds them
+    patient = TickPolicy(TICK, catch_up_lag_frames=3, row_buckets=BUCKETS, step_s=0.055, catch_up_s={8: 0.006})
+    assert patient.catch_up(now, TICK, far, lags, steps_run=1) is None
+    assert patient.catch_up(now, TICK, far, {s: 3 for s in far}, steps_run=1).kind is CatchUp.FORCED
+    assert policy.catch_up(now - 0.002, TICK, far, lags, steps_run=1).kind is CatchUp.FITS
     with pytest.raises(ValueError, match="catch_up_lag_frames"):
         TickPolicy(TICK, catch_up_lag_frames=0)
 

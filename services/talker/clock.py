@@ -11,10 +11,16 @@ so other processes can place their work around them):
     deadline ──▶ wait for due frames, never past the step's share of the period
                  main step: every live session with a queued frame, one frame each,
                    + one piece of the oldest waiting prompt riding it (runner.py)
-                 catch-up steps for the sessions still behind, while one fits
+                 catch-up steps for the sessions still behind, most behind first, each a
+                   compact step sized to them and to the time left (engine.step_rows)
                  (the tick ends here: its outputs are out)
                  prefill pieces alone in the period's slack, while one fits
                  sleep until the next deadline (woken early by new work)
+
+Sharing the slack: sessions already talking come first, so the time after the main step goes to
+catch-up steps until nobody is behind or none fits (tick_policy.py sizes them), and only what is
+left to prefill pieces alone. First audio still advances every tick whatever the catch-ups: one
+piece of the oldest waiting prompt rides every main step, and a catch-up step carries none.
 
 With no session live, prompts run piece after piece while the clock sleeps. A live session
 without input for a tick is not stepped (no invented audio) and costs the others nothing: the
@@ -276,21 +282,27 @@ class ConversationClock:
             self.metrics.frames_skipped.inc(sum(1 for s in live if s.live and not s.inputs))
         if not batch:
             return 0
-        lag = self.policy.lag_frames(batch)
-        behind_before = sum(1 for s in batch if len(s.inputs) > 1)
-        await self._step(batch, catch_up=False)
+        lags = self.policy.lags(batch)
+        await self._step(batch)
         if self.metrics:
-            self.metrics.sessions_behind.observe(behind_before)
+            self.metrics.sessions_behind.observe(sum(1 for lag in lags.values() if lag > 0))
+        self._know_steps()
         steps = 1
         while behind := self.policy.batch(self.sessions.values()):
-            decision = self.policy.catch_up(loop.time(), period_end, steps, lag)
-            if decision is CatchUp.NONE:
+            catch_up = self.policy.catch_up(loop.time(), period_end, behind, lags, steps)
+            if catch_up is None:
                 break
-            if decision is CatchUp.FORCED and self.metrics:
+            if catch_up.kind is CatchUp.FORCED and self.metrics:
                 self.metrics.catch_up_forced.inc()
-            await self._step(behind, catch_up=True)
+            await self._step(catch_up.sessions, catch_up.rows)
             steps += 1
         return steps
+
+    def _know_steps(self) -> None:
+        """Tell the policy the engine's step sizes and their warm-up times, at the first tick (the
+        engine is warmed up before the clock starts: server.py)."""
+        if not self.policy.row_buckets:
+            self.policy.steps_known(self.engine.row_buckets, self.engine.warm_step_s)
 
     async def prefill_in_slack(self, period_end: float) -> None:
         """Prefill pieces alone after a tick, while one fits before period_end."""
@@ -333,7 +345,8 @@ class ConversationClock:
         if waited and self.metrics:
             self.metrics.input_wait.observe(loop.time() - start)
 
-    async def _step(self, batch: list[Session], catch_up: bool) -> None:
+    async def _step(self, batch: list[Session], catch_up_rows: int | None = None) -> None:
+        """The main step (catch_up_rows None) or a catch-up step of that many rows."""
         taken = []
         for s in batch:
             seq, codes = s.inputs.popleft()
@@ -341,11 +354,11 @@ class ConversationClock:
             taken.append((s, seq, codes))
         # A waiting prompt's next piece rides the main step. No await between picking it and
         # submitting the step: a close() can only queue its release behind this step.
-        rider = None if catch_up else self.policy.next_prompt(self.sessions.values())
+        rider = None if catch_up_rows is not None else self.policy.next_prompt(self.sessions.values())
         slots = [s.slot for s in batch]
         self.pool.pin(slots)
         try:
-            out = await self.runner.step([(s.slot, codes) for s, _, codes in taken], rider)
+            out = await self.runner.step([(s.slot, codes) for s, _, codes in taken], rider, catch_up_rows)
         except Exception as e:
             for s in batch:
                 self.fail(s, e)
@@ -354,9 +367,9 @@ class ConversationClock:
             self.pool.unpin(slots)
             for s in batch:
                 s.stepping = False
-        self.policy.step_measured(out.wall_s, catch_up)
+        self.policy.step_measured(out.wall_s, catch_up_rows)
         self.steps += 1
-        self._observe_step(out, len(batch), catch_up)
+        self._observe_step(out, len(batch), catch_up_rows)
         if rider is not None:
             self._record_piece(rider, out.piece, "step")
         for s, seq, _ in taken:
@@ -431,14 +444,14 @@ class ConversationClock:
         if self.metrics:
             self.metrics.backlog_refusals.inc()
 
-    def _observe_step(self, out: StepOutputs, batch: int, catch_up: bool) -> None:
+    def _observe_step(self, out: StepOutputs, batch: int, catch_up_rows: int | None) -> None:
         if not self.metrics:
             return
         m = self.metrics
         m.observe_step(out.wall_s, batch)
         m.frames_advanced.inc(batch)
-        if catch_up:
-            m.catch_up_steps.inc()
+        if catch_up_rows is not None:
+            m.catch_up_steps.labels(rows=str(catch_up_rows)).inc()
         if out.device_s is not None:
             m.step_device.observe(out.device_s)
         for part, seconds in out.parts.items():

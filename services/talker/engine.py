@@ -5,12 +5,25 @@
     while not job.run(64): ...                        # prompt prefill, interleavable with steps
     r = engine.step(user_codes[S, 8], active[S])      # one 80 ms frame for the active slots
     r.text_tokens[S], r.agent_codes[S, 8], r.has_output[S]
+    r = engine.step_rows([3, 5], user_codes[2, 8], rows=8)  # the same for slots 3 and 5 alone (a catch-up)
 
 Per slot the engine keeps: the temporal KV ring (in the LM's KVCache), a token-history ring
 of 4 columns (`hist`, column c at index c % 4, see prompt.py for columns), the column the next
 step reads (`offset`), the first frame that is the model's own (`start`) and the sampling
 parameters. Every step runs all S rows (static shapes, no per-slot Python loop); inactive
 slots are computed and thrown away, and their state is left exactly as it was.
+
+Compact steps (`step_rows`, the clock's catch-up steps): a step of a few slots costs what a step of
+every slot costs, less only the active rows' attention (every weight is read and every kernel
+launched either way: 18 of 48 ms at 160 slots, bench/RESULTS.md). A compact step runs b rows
+instead, b one of `row_buckets` (CATCH_UP_BUCKETS below every slot, then every slot): the slots
+behind, padded with other slots as inactive rows. Their per-slot state is gathered into the b rows
+and written back; the KV ring is read and written in place (the attention takes a slot per row).
+A row's arithmetic does not depend on which or how many other rows share its step (per-row
+activation scales, per-row sampling noise keyed by (seed, frame)), so a compact step gives the
+tokens and state the full step gives, bit for bit where the GEMMs give a row the same bits at
+both batch sizes: on the CPU at 8 rows or more (tests/test_compact_step.py); on the GPU
+bench/catch_up_check.py measures it.
 
 Timing: two alignments (`alignment`), fixed per engine. Column c, stream k holds frame
 c - delay[k]. A live step at offset o reads column o and:
@@ -46,6 +59,7 @@ a voice: its KV is computed once per voice (`_VoicePrefix`) and copied into the 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +180,13 @@ class PrefillJob:
         return self._done
 
 
+# Row counts of the compact steps (module doc; each its own CUDA graph and depformer cache). A
+# compact step's cost is mostly fixed (weights, kernel launches), plus each active row's attention.
+# 8 holds the usual catch-up (a few sessions whose frame came after the deadline) at that fixed
+# cost, and is the smallest batch whose rows get the full step's bits from the CPU's GEMMs; 32 a
+# burst (a group of arrivals, a codec hiccup) at about 24 rows' attention more. More than 32
+# sessions behind run the full step.
+CATCH_UP_BUCKETS = (8, 32)
 PREFILL_GRAPH_FRAMES = 64  # the captured prefill chunk: shorter chunks are padded to it
 # A prefill chunk reads only the ring indices the slot's history can occupy (KVCache.attend's
 # window). A graph has fixed shapes, so one is captured per window below the context (plus one that
@@ -236,20 +257,66 @@ class _PrefillGraph:
         eng.kv.length[slot].fill_(start + n)  # not start + frames: the padding is not part of the prompt
 
 
+class _CompactStep:
+    """The step of `rows` rows for a subset of slots (TalkerEngine.step_rows): static inputs (the
+    rows' slots, their user codes, which rows are active), a depformer cache of its batch and, with
+    cuda_graph, its captured graph. Inputs are copied in from pinned memory: no wait for the GPU,
+    so it queues behind a prefill chunk still running."""
+
+    def __init__(self, eng: "TalkerEngine", rows: int):
+        dev = eng.device
+        self.slots = torch.arange(rows, device=dev)  # distinct slots (captured as all-idle rows)
+        eng.kv.trust(self.slots)  # only ever set from distinct host slots checked by step_rows
+        self.codes = torch.zeros(rows, AGENT_CODEBOOKS, dtype=torch.long, device=dev)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.dep_kv = eng.model.new_depformer_cache(rows, AGENT_CODEBOOKS)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: StepResult | None = None  # the graph's static outputs
+
+    def forward(self, eng: "TalkerEngine") -> StepResult:
+        return eng._by_slot(eng._advance(self.codes, self.active, self.slots, self.dep_kv), self.slots)
+
+    def capture(self, eng: "TalkerEngine", pool=None) -> None:
+        """Capture with every row idle (no state changes), into memory `pool` (the full step's:
+        steps never run at once); the warm-up run before it compiles its shapes (fused)."""
+        self.active.zero_()
+        side = torch.cuda.Stream(eng.device)
+        side.wait_stream(torch.cuda.current_stream(eng.device))
+        with torch.cuda.stream(side):
+            self.forward(eng)
+        torch.cuda.current_stream(eng.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = self.forward(eng)
+        log.info("captured the compact step of %d rows as a CUDA graph", self.slots.shape[0])
+
+    def run(self, eng: "TalkerEngine", slots: torch.Tensor, codes: torch.Tensor, active: torch.Tensor) -> StepResult:
+        for buf, host in ((self.slots, slots), (self.codes, codes), (self.active, active)):
+            buf.copy_(to_device(host, eng.device))
+        if self.graph is None:
+            return self.forward(eng)
+        eng._timed_replay(self.graph)
+        return StepResult(self.out.text_tokens.clone(), self.out.agent_codes.clone(), self.out.has_output.clone())
+
+
 class TalkerEngine:
     def __init__(self, model: LMModel, tokenizer: TextTokenizer, slots: int, paths: CheckpointPaths | None = None,
                  context: int | None = None, kv_dtype: torch.dtype | None = None, kv_fp8: bool = False,
                  voices: dict[str, VoicePrompt] | None = None, cuda_graph: bool = False,
-                 alignment: str = "personaplex", step_ahead: bool = False, kv_bits: int | None = None):
+                 alignment: str = "personaplex", step_ahead: bool = False, kv_bits: int | None = None,
+                 catch_up_buckets: tuple[int, ...] = CATCH_UP_BUCKETS):
         """context: the model's context C (default: the checkpoint's); the attention window and KV ring are
         C-1 frames with alignment "personaplex", C with "moshi" (module doc). kv_fp8: store the ring as fp8
         with per-vector scales. cuda_graph: replay the device part of step() as a captured CUDA graph (one
         per distinct top-k bound, captured on first use) instead of launching it eagerly. `voices` adds
         in-memory voices by name ("NATF2.pt"), e.g. from tools.make_checkpoint.build_random_checkpoint on a
         GPU; others come from paths.voices_dir. step_ahead: step j takes user frame j-1 (module doc).
-        kv_bits: 8 (as kv_fp8) or 4 (int4 codes, services/talker/kv_int4.py); None: kv_fp8 decides."""
+        kv_bits: 8 (as kv_fp8) or 4 (int4 codes, services/talker/kv_int4.py); None: kv_fp8 decides.
+        catch_up_buckets: the row counts of compact steps (step_rows); those not below `slots` are dropped."""
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in catch_up_buckets):
+            raise ValueError(f"catch_up_buckets must be positive ints, got {catch_up_buckets!r}")
         if model.dep_steps < AGENT_CODEBOOKS:
             raise ValueError(f"the LM needs {AGENT_CODEBOOKS} resident depformer steps, has {model.dep_steps}")
         if alignment not in ALIGNMENTS:
@@ -321,6 +388,12 @@ class TalkerEngine:
         self.prefill_graph_windows = PREFILL_GRAPH_WINDOWS
         self._prefill_graphs: list[_PrefillGraph] = []  # by window, smallest first; the last reads all
         self._voice_kv: dict[str, _VoicePrefix] = {}
+        # The row counts a step can run (step_rows): the compact buckets, then every slot.
+        self.row_buckets = (*sorted({b for b in catch_up_buckets if b < slots}), slots)
+        self._compact = {b: _CompactStep(self, b) for b in self.row_buckets[:-1]}
+        # Seconds of one step of each row count with every row idle, timed by warmup(): the fixed part
+        # of a catch-up step of that size, the clock's prior until it has measured one (tick_policy.py).
+        self.warm_step_s: dict[int, float] = {}
         # Benchmark only (TalkerConfig.bench_full_context): a session goes live as if it had already
         # filled its ring, so every step costs what the steady state costs.
         self.bench_full_context = False
@@ -330,7 +403,8 @@ class TalkerEngine:
                         dtype: torch.dtype = torch.float32, context: int | None = None,
                         kv_fp8: bool = False, cuda_graph: bool = False, weights_fp8: bool = False,
                         alignment: str = "personaplex", step_ahead: bool = False,
-                        kv_bits: int | None = None) -> "TalkerEngine":
+                        kv_bits: int | None = None,
+                        catch_up_buckets: tuple[int, ...] = CATCH_UP_BUCKETS) -> "TalkerEngine":
         """weights_fp8: the temporal layers' matrices in fp8 (services/talker/fp8_weights.py)."""
         section = paths.serve_config()
         cfg = LMConfig.from_dict(section["lm"]) if "lm" in section else LMConfig.full()
@@ -338,7 +412,8 @@ class TalkerEngine:
         if weights_fp8:
             log.info("temporal weights to fp8: %.2f GB saved", model.quantize_weights_fp8_() / 1e9)
         return cls(model, TextTokenizer.load(paths.tokenizer), slots, paths=paths, context=context, kv_fp8=kv_fp8,
-                   kv_bits=kv_bits, cuda_graph=cuda_graph, alignment=alignment, step_ahead=step_ahead)
+                   kv_bits=kv_bits, cuda_graph=cuda_graph, alignment=alignment, step_ahead=step_ahead,
+                   catch_up_buckets=catch_up_buckets)
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -403,28 +478,58 @@ class TalkerEngine:
         S, dev = self.num_slots, self.device
         if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (S,):
             raise ValueError(f"active must be a BoolTensor[{S}], got {getattr(active, 'shape', active)!r}")
-        if (not isinstance(user_codes, torch.Tensor) or user_codes.dtype != torch.long
-                or tuple(user_codes.shape) != (S, AGENT_CODEBOOKS)):
-            raise ValueError(f"user_codes must be a LongTensor[{S}, {AGENT_CODEBOOKS}], got "
-                             f"{getattr(user_codes, 'shape', user_codes)!r} {getattr(user_codes, 'dtype', '')}")
+        self._check_user_codes(user_codes, active, range(S))
         self._replayed = False
-        act_list = active.tolist()
-        not_live = [i for i, a in enumerate(act_list) if a and not self._live[i]]
-        if not_live:
-            raise ValueError(f"slots {not_live} are not live (no begin(), prefill not done, or released)")
-        # Checked where the caller's tensor lives (the host, normally): no device sync per step.
-        bad = ((user_codes < 0) | (user_codes >= self.card)) & active[:, None]
-        if self.step_ahead:
-            bad &= ~(user_codes == NO_FRAME).all(1, keepdim=True)  # a step-0 row: no user frame
-        if bool(bad.any()):
-            raise ValueError(f"user codes must be in [0, {self.card}), slots {bad.any(1).nonzero().flatten().tolist()} "
-                             "are not")
-        if not any(act_list):  # nothing to advance: skip the model entirely
+        if not bool(active.any()):  # nothing to advance: skip the model entirely
             none = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=dev)
             return StepResult(none[:, 0], none[:, 1:], torch.zeros(S, dtype=torch.bool, device=dev))
         if self.cuda_graph:
             return self._replay(user_codes, active)
         return self._advance(user_codes.to(dev, non_blocking=True), active.to(dev, non_blocking=True))
+
+    @torch.no_grad()
+    def step_rows(self, slots: list[int], user_codes: torch.Tensor, rows: int) -> StepResult:
+        """Advance exactly `slots` by one frame (user_codes[i] for slots[i]) as a step of `rows` rows,
+        one of row_buckets: a compact step whose other rows are idle slots (module doc), or step()
+        itself for rows == num_slots. The tokens and state step() gives those slots; results are
+        indexed by slot, as step()'s."""
+        S = self.num_slots
+        if rows not in self.row_buckets:
+            raise ValueError(f"rows must be one of {self.row_buckets}, got {rows!r}")
+        if (not isinstance(slots, list) or not 1 <= len(slots) <= rows or len(set(slots)) != len(slots)
+                or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < S for s in slots)):
+            raise ValueError(f"slots must be 1 to {rows} distinct ints in [0, {S}), got {slots!r}")
+        n = len(slots)
+        self._check_user_codes(user_codes, torch.ones(n, dtype=torch.bool), slots)
+        if rows == S:
+            codes, active = torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool)
+            codes[slots], active[slots] = user_codes, True
+            return self.step(codes, active)
+        self._replayed = False
+        taken = set(slots)
+        padding = [s for s in range(S) if s not in taken][: rows - n]  # distinct idle rows: left as they are
+        codes = torch.cat([user_codes, torch.zeros(rows - n, AGENT_CODEBOOKS, dtype=torch.long)])
+        active = torch.arange(rows) < n
+        return self._compact[rows].run(self, torch.tensor(slots + padding), codes, active)
+
+    def _check_user_codes(self, user_codes: torch.Tensor, active: torch.Tensor, slots) -> None:
+        """user_codes [B, 8] in range where active [B] holds, and slots[i] live for every active row i.
+        Checked where the caller's tensors live (the host, normally): no device sync per step."""
+        B = active.shape[0]
+        if (not isinstance(user_codes, torch.Tensor) or user_codes.dtype != torch.long
+                or tuple(user_codes.shape) != (B, AGENT_CODEBOOKS)):
+            raise ValueError(f"user_codes must be a LongTensor[{B}, {AGENT_CODEBOOKS}], got "
+                             f"{getattr(user_codes, 'shape', user_codes)!r} {getattr(user_codes, 'dtype', '')}")
+        stepped = [slots[i] for i, a in enumerate(active.tolist()) if a]
+        not_live = [s for s in stepped if not self._live[s]]
+        if not_live:
+            raise ValueError(f"slots {not_live} are not live (no begin(), prefill not done, or released)")
+        bad = ((user_codes < 0) | (user_codes >= self.card)) & active[:, None]
+        if self.step_ahead:
+            bad &= ~(user_codes == NO_FRAME).all(1, keepdim=True)  # a step-0 row: no user frame
+        if bool(bad.any()):
+            rows = bad.any(1).nonzero().flatten().tolist()
+            raise ValueError(f"user codes must be in [0, {self.card}), slots {[slots[i] for i in rows]} are not")
 
     def last_step_device_s(self) -> float | None:
         """GPU time of the last graphed step, in seconds (None without a graph). Call it once the
@@ -433,6 +538,13 @@ class TalkerEngine:
             return None
         start, end = self._replay_events
         return start.elapsed_time(end) / 1e3
+
+    def _timed_replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        start, end = self._replay_events
+        start.record()
+        graph.replay()
+        end.record()
+        self._replayed = True
 
     def _replay(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
         """step() through a captured graph. Capture and its warm-up run with every slot inactive,
@@ -454,80 +566,106 @@ class TalkerEngine:
         graph, codes, act, out = self._graphs[key]
         codes.copy_(user_codes, non_blocking=True)
         act.copy_(active, non_blocking=True)
-        start, end = self._replay_events
-        start.record()
-        graph.replay()
-        end.record()
-        self._replayed = True
+        self._timed_replay(graph)
         return StepResult(out.text_tokens.clone(), out.agent_codes.clone(), out.has_output.clone())
 
-    def _advance(self, codes: torch.Tensor, act: torch.Tensor) -> StepResult:
-        """The device part of a step: fixed shapes, no host syncs, state updated in place
-        (so it can later be captured in a CUDA graph with `codes`/`act` as static inputs)."""
-        S, max_delay = self.num_slots, self.cfg.max_delay
-        o = self.offset.clone()
+    def _advance(self, codes: torch.Tensor, act: torch.Tensor, rows: torch.Tensor | None = None,
+                 dep_kv=None) -> StepResult:
+        """The device part of a step over B rows: every slot (rows None: row s is slot s), or the
+        distinct slots `rows` (a compact step: their state is gathered into the rows and written
+        back, with depformer cache `dep_kv` of batch B). Fixed shapes, no host syncs, state updated
+        in place (so it can later be captured in a CUDA graph with `codes`/`act`/`rows` as static inputs)."""
+        B, max_delay = act.shape[0], self.cfg.max_delay
+        of = (lambda t: t) if rows is None else (lambda t: t[rows])  # a row's per-slot state (a copy for rows)
+        hist = of(self.hist)  # written in place: the engine's own for every slot, else written back below
+        o = of(self.offset).clone()
         user = slice(1 + AGENT_CODEBOOKS, None)  # streams 9..16
         gen = slice(0, 1 + AGENT_CODEBOOKS)  # text + agent streams 0..8
         # 1. user codes of this frame into the history (column o + lag + delay); the lag is a constant
         #    of the engine, so a captured graph holds one alignment
         write = act & (codes[:, 0] != NO_FRAME) if self.step_ahead else act
-        self._write(user, (o[:, None] + self._write_lag + self.delays[user][None]) % RING, codes, write[:, None])
+        self._write(hist, user, (o[:, None] + self._write_lag + self.delays[user][None]) % RING, codes, write[:, None])
         # 2. the transformer on column o
-        col = (o % RING)[:, None, None].expand(S, self.cfg.num_streams, 1)
-        tokens = self.hist.gather(2, col)[..., 0]
+        col = (o % RING)[:, None, None].expand(B, self.cfg.num_streams, 1)
+        tokens = hist.gather(2, col)[..., 0]
         tokens = torch.where(o[:, None] <= self.delays[None, :], self.initial[None, :], tokens)
-        # (no id range check: user codes were checked in step(), everything else in the history is ours)
-        h = self._temporal_step(self.model.embed(tokens[:, None], check=False), act)[:, 0]
+        # (no id range check: user codes were checked in step()/step_rows(), the rest of the history is ours)
+        h = self._temporal_step(self.model.embed(tokens[:, None], check=False), act, rows)[:, 0]
         # 3. sample text, then the depformer's 8 agent codebooks
-        text_params = self._params(self._text, self._text_k, self.text_card)
-        audio_params = self._params(self._audio, self._audio_k, self.card)
-        key = noise_key(self.seed, o)  # the session's randomness for this frame: (seed, frame index)
+        text_params = self._params(self._text, self._text_k, self.text_card, of)
+        audio_params = self._params(self._audio, self._audio_k, self.card, of)
+        key = noise_key(of(self.seed), o)  # the session's randomness for this frame: (seed, frame index)
         text = sample(self.model.text_logits(h), text_params, key, codebook=0)
         audio = self.model.depformer(h, text, lambda cb, logits: sample(logits, audio_params, key, 1 + cb),
-                                     steps=AGENT_CODEBOOKS, dep_kv=self.dep_kv)
-        new = torch.cat([text[:, None], audio], dim=1)  # [S, 9]: column o+1
+                                     steps=AGENT_CODEBOOKS, dep_kv=self.dep_kv if dep_kv is None else dep_kv)
+        new = torch.cat([text[:, None], audio], dim=1)  # [B, 9]: column o+1
         frame_of = (o + 1)[:, None] - self.delays[gen][None]
-        keep_forced = frame_of < self.start[:, None]  # prompt frames stay teacher-forced
-        self._write(gen, ((o + 1) % RING)[:, None].expand(S, 1 + AGENT_CODEBOOKS), new, act[:, None] & ~keep_forced)
+        keep_forced = frame_of < of(self.start)[:, None]  # prompt frames stay teacher-forced
+        self._write(hist, gen, ((o + 1) % RING)[:, None].expand(B, 1 + AGENT_CODEBOOKS), new,
+                    act[:, None] & ~keep_forced)
         # 4. the frame that is now complete
         out_frame = o + 1 - max_delay
         idx = (out_frame[:, None] + self.delays[gen][None]) % RING
-        out = self.hist[:, gen].gather(2, idx[..., None])[..., 0]
-        has_output = act & (out_frame >= self.first_output)
+        out = hist[:, gen].gather(2, idx[..., None])[..., 0]
+        has_output = act & (out_frame >= of(self.first_output))
         out = torch.where(has_output[:, None], out, torch.full_like(out, -1))
-        self.offset.add_(act.long())
+        if rows is None:
+            self.offset.add_(act.long())
+        else:
+            self.hist[rows] = hist
+            self.offset[rows] = o + act.long()
         return StepResult(text_tokens=out[:, 0], agent_codes=out[:, 1:], has_output=has_output)
 
-    def _write(self, streams: slice, cols: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
-        """hist[s, streams, cols[s, j]] = values[s, j] where mask (broadcast) holds."""
-        view = self.hist[:, streams]
+    def _by_slot(self, r: StepResult, rows: torch.Tensor) -> StepResult:
+        """A compact step's results (row i is slot rows[i]) indexed by slot, as step()'s."""
+        S = self.num_slots
+        packed = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=self.device)
+        packed[rows] = torch.cat([r.text_tokens[:, None], r.agent_codes], dim=1)
+        has_output = torch.zeros(S, dtype=torch.bool, device=self.device)
+        has_output[rows] = r.has_output
+        return StepResult(packed[:, 0], packed[:, 1:], has_output)
+
+    @staticmethod
+    def _write(hist: torch.Tensor, streams: slice, cols: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor) -> None:
+        """hist[b, streams, cols[b, j]] = values[b, j] where mask (broadcast) holds."""
+        view = hist[:, streams]
         old = view.gather(2, cols[..., None])[..., 0]
         view.scatter_(2, cols[..., None], torch.where(mask, values, old)[..., None])
 
-    def _temporal_step(self, x: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        """One temporal frame for all S rows (static shape). The LM advances every row, so the ring
-        entry each inactive slot had overwritten is put back and its length restored."""
+    def _temporal_step(self, x: torch.Tensor, act: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """One temporal frame for B rows (static shape): every slot (rows None) or slots `rows`. The
+        LM advances every row, so the ring entry each inactive row had overwritten is put back and
+        its length restored."""
         kv = self.kv
-        idx = kv.length % kv.context  # [S]: the ring index each row writes
-        saved = kv.save_entries(idx)
+        length = kv.length if rows is None else kv.length[rows]
+        idx = length % kv.context  # [B]: the ring index each row writes
+        saved = kv.save_entries(idx, rows)
         kv.live_rows = act  # idle rows attend over one entry: their output is thrown away below
         try:
-            h = self.model.temporal(x, kv, kv.all_slots)  # all_slots: the LM's sync-free path for every slot
+            # all_slots: the LM's sync-free path for every slot; `rows` is a trusted static buffer
+            h = self.model.temporal(x, kv, kv.all_slots if rows is None else rows)
         finally:
             kv.live_rows = None
-        kv.restore_entries(idx, saved, keep=~act)
-        kv.length -= (~act).long()
+        kv.restore_entries(idx, saved, keep=~act, rows=rows)
+        if rows is None:
+            kv.length -= (~act).long()
+        else:
+            kv.length[rows] = length + act.long()
         return h
 
     @staticmethod
     def _max_k(host_k: list[int], vocab: int) -> int:
         return max(vocab if k <= 0 else min(k, vocab) for k in host_k)
 
-    def _params(self, p: RowParams, host_k: list[int], vocab: int) -> RowParams:
-        top_k = torch.where(p.top_k <= 0, vocab, p.top_k.clamp(max=vocab))
+    def _params(self, p: RowParams, host_k: list[int], vocab: int, of=lambda t: t) -> RowParams:
+        """The rows' sampling parameters (`of` picks a compact step's rows). The top-k bound is every
+        slot's, in any step: the candidates a row draws from do not depend on which step runs it."""
+        top_k = of(torch.where(p.top_k <= 0, vocab, p.top_k.clamp(max=vocab)))
+        greedy, temperature = of(p.greedy), of(p.temperature)
         if self.graph_top_k is not None:  # the bound the graph is captured with (see __init__)
-            return RowParams(p.greedy, p.temperature, top_k, self.graph_top_k[0 if vocab == self.text_card else 1])
-        return RowParams(p.greedy, p.temperature, top_k, self._max_k(host_k, vocab))
+            return RowParams(greedy, temperature, top_k, self.graph_top_k[0 if vocab == self.text_card else 1])
+        return RowParams(greedy, temperature, top_k, self._max_k(host_k, vocab))
 
     def _prefill_chunk(self, slot: int, slot_t: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
         """Run prompt columns `tokens` (host LongTensor [n, 17]) into `slot` at positions start..
@@ -549,8 +687,9 @@ class TalkerEngine:
 
     def warmup(self, voices: tuple[str, ...] = ()) -> None:
         """Run what a first session would, before any session: one short prompt prefill in slot 0
-        (released again), the KV prefix of each voice in `voices` (so no session waits for it) and,
-        with cuda_graph, the step's capture (with every slot inactive: no state changes). On CUDA
+        (released again), the KV prefix of each voice in `voices` (so no session waits for it), with
+        cuda_graph the captures of the step and of each compact step (with every slot inactive: no
+        state changes), and a timed step of each row count, idle (`warm_step_s`). On CUDA
         the allocator's cache is then handed back: what the warm-up used transiently is free for
         the other processes on the GPU. Call it on the thread that will run the engine."""
         if self._live[0] or self._jobs[0] is not None:
@@ -567,6 +706,12 @@ class TalkerEngine:
         if self.cuda_graph and self.graph_top_k not in self._graphs:
             S = self.num_slots
             self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool))
+        if self.cuda_graph:
+            pool = self._graphs[self.graph_top_k][0].pool()
+            for c in self._compact.values():
+                if c.graph is None:
+                    c.capture(self, pool)
+        self.warm_step_s = {rows: self._idle_step_s(rows) for rows in self.row_buckets}
         if self.cuda_graph and not self._prefill_graphs:
             frames = min(self.prefill_graph_frames, self.context)
             pool = None
@@ -577,6 +722,34 @@ class TalkerEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def _idle_step_s(self, rows: int, runs: int = 3) -> float:
+        """Seconds of a step of `rows` rows with every row idle (no state changes), the fastest of
+        `runs` after one untimed run (which compiles its shapes under fused.enable)."""
+        S, dev = self.num_slots, self.device
+        if rows == S and self.cuda_graph:
+            graph, _, act, _ = self._graphs[self.graph_top_k]
+            act.zero_()
+            run = graph.replay
+        elif rows == S:
+            codes = torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long, device=dev)
+            act = torch.zeros(S, dtype=torch.bool, device=dev)
+            run = lambda: self._advance(codes, act)  # noqa: E731
+        else:
+            c = self._compact[rows]
+            c.active.zero_()
+            run = c.graph.replay if c.graph is not None else lambda: c.forward(self)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda *a: None)
+        best = float("inf")
+        for i in range(runs + 1):
+            sync(dev)
+            t0 = time.perf_counter()
+            run()
+            sync(dev)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best
 
     # ---- slot state ----------------------------------------------------------------------------
 

@@ -108,13 +108,16 @@ class KVCache:
             ours[:, dst_slot, :, :n].copy_(theirs[:, src_slot])
         self.length[dst_slot].copy_(src.length[src_slot])
 
-    def save_entries(self, idx: torch.Tensor) -> list[torch.Tensor]:
-        """The entry at ring index idx[s] of every slot s, in every layer (for `restore_entries`)."""
-        return [t[:, self.all_slots, :, idx] for t in self._stores()]
+    def save_entries(self, idx: torch.Tensor, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The entry at ring index idx[b] of slot rows[b] (rows None: every slot, b = s), in every
+        layer (for `restore_entries`)."""
+        rows = self.all_slots if rows is None else rows
+        return [t[:, rows, :, idx] for t in self._stores()]
 
-    def restore_entries(self, idx: torch.Tensor, saved: list[torch.Tensor], keep: torch.Tensor) -> None:
-        """Put back the saved entries of the slots where keep[s] holds (static shapes, no sync)."""
-        rows = self.all_slots
+    def restore_entries(self, idx: torch.Tensor, saved: list[torch.Tensor], keep: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> None:
+        """Put back the saved entries of the rows where keep[b] holds (static shapes, no sync)."""
+        rows = self.all_slots if rows is None else rows
         for t, old in zip(self._stores(), saved, strict=True):
             mask = keep.view(-1, *([1] * (old.dim() - 1)))
             t[:, rows, :, idx] = torch.where(mask, old, t[:, rows, :, idx])

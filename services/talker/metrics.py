@@ -7,7 +7,8 @@
     duplex_talker_input_wait_seconds      histogram: a tick's wait at its deadline for due frames (input_wait_ms)
     duplex_talker_frames_advanced_total   counter: session frames stepped (one per output, + the surplus step ahead)
     duplex_talker_frames_skipped_total    counter: live sessions left unstepped at a tick for want of input
-    duplex_talker_catch_up_steps_total    counter: extra batched steps run for sessions with a backlog
+    duplex_talker_catch_up_steps_total{rows}  counter: extra batched steps run for sessions with a backlog, by
+                                          the rows the step ran (a compact bucket, or every slot)
     duplex_talker_catch_up_steps_forced_total  counter: ... of them run although they did not fit the period
     duplex_talker_sessions_behind         histogram: per tick, sessions with frames from before the main step
                                           still queued after it
@@ -87,8 +88,9 @@ class TalkerMetrics:
         self.frames_advanced = Counter("duplex_talker_frames_advanced", "Session frames stepped", registry=r)
         self.frames_skipped = Counter("duplex_talker_frames_skipped",
                                       "Live sessions not stepped at a tick for want of input", registry=r)
-        self.catch_up_steps = Counter("duplex_talker_catch_up_steps", "Extra batched steps for sessions with a backlog",
-                                      registry=r)
+        self.catch_up_steps = Counter("duplex_talker_catch_up_steps",
+                                      "Extra batched steps for sessions with a backlog, by the rows the step ran (a "
+                                      "compact bucket of the sessions behind, or every slot)", ["rows"], registry=r)
         self.catch_up_forced = Counter("duplex_talker_catch_up_steps_forced",
                                        "Catch-up steps run although they did not fit before the deadline (a session "
                                        "catch_up_lag_frames or more behind)", registry=r)

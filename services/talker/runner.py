@@ -14,13 +14,15 @@ to hide behind the step, begin() must not wait for the GPU (engine._reset_slot).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from services.talker.engine import NO_FRAME
+from services.talker.engine import NO_FRAME, StepResult
 from services.talker.session import Session
 
 IDLE_ROW = (0,) * 8  # the codes of a slot not stepped (masked out by `active`)
@@ -77,18 +79,26 @@ class StepRunner:
         """Let the work already submitted finish, then stop the thread."""
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
 
-    async def step(self, frames: list[tuple[int, list[int]]], rider: Session | None = None) -> StepOutputs:
-        """One engine step over (slot, codes) pairs, the other slots idle; with `rider`, one piece
-        of its prompt rides the step. Submitted before the first await."""
-        n = self.engine.num_slots
+    async def step(self, frames: list[tuple[int, list[int]]], rider: Session | None = None,
+                   rows: int | None = None) -> StepOutputs:
+        """One engine step over (slot, codes) pairs: a step of every slot, the others idle, or with
+        `rows` a step of that many rows (engine.step_rows: a catch-up); with `rider`, one piece of its
+        prompt rides the step. Submitted before the first await."""
         # Plain lists, then one tensor each: a torch call per session costs milliseconds per tick.
-        rows, act = [IDLE_ROW] * n, [False] * n
-        for slot, codes in frames:
-            rows[slot], act[slot] = NO_FRAME_ROW if codes is None else codes, True
-        codes, active = torch.tensor(rows, dtype=torch.long), torch.tensor(act, dtype=torch.bool)
+        if rows is None:
+            n = self.engine.num_slots
+            codes, act = [IDLE_ROW] * n, [False] * n
+            for slot, c in frames:
+                codes[slot], act[slot] = NO_FRAME_ROW if c is None else c, True
+            codes_t, active = torch.tensor(codes, dtype=torch.long), torch.tensor(act, dtype=torch.bool)
+            run = functools.partial(self.engine.step, codes_t, active)
+        else:
+            slots = [slot for slot, _ in frames]
+            codes_t = torch.tensor([NO_FRAME_ROW if c is None else c for _, c in frames], dtype=torch.long)
+            run = functools.partial(self.engine.step_rows, slots, codes_t, rows)
         piece = (rider.job, rider.begin_args()) if rider is not None else None
         t0 = time.perf_counter()
-        out = await self.call(self._step, codes, active, t0, piece)
+        out = await self.call(self._step, run, t0, piece)
         out.wall_s = time.perf_counter() - t0
         return out
 
@@ -98,9 +108,9 @@ class StepRunner:
 
     # ---- on the compute thread ---------------------------------------------------------------
 
-    def _step(self, codes: torch.Tensor, active: torch.Tensor, submitted: float, piece: tuple | None) -> StepOutputs:
+    def _step(self, run: Callable[[], StepResult], submitted: float, piece: tuple | None) -> StepOutputs:
         t0 = time.perf_counter()
-        r = self.engine.step(codes, active)
+        r = run()
         packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
         host, copied = self._queue_to_host(packed)
         t1 = time.perf_counter()
@@ -112,9 +122,8 @@ class StepRunner:
         device_s = self.engine.last_step_device_s()
         rows = host.tolist()
         tokens = [row[0] for row in rows]
-        has_out = [bool(row[-1]) for row in rows]
-        act = active.tolist()
-        text = [self.engine.text_piece(t) if act[i] and has_out[i] else "" for i, t in enumerate(tokens)]
+        has_out = [bool(row[-1]) for row in rows]  # only a stepped slot has an output
+        text = [self.engine.text_piece(t) if has_out[i] else "" for i, t in enumerate(tokens)]
         parts = {"dispatch": t0 - submitted, "launch": t1 - t0, "prefill": t_piece - t1, "gpu_wait": t2 - t_piece,
                  "outputs": time.perf_counter() - t2}
         return StepOutputs(tokens, [row[1:-1] for row in rows], has_out, text, device_s, parts, ridden)

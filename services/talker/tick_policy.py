@@ -33,9 +33,18 @@ def ema(average: float | None, sample: float) -> float:
 
 
 class CatchUp(enum.Enum):
-    NONE = "none"  # no catch-up step this tick
     FITS = "fits"  # it ends before the deadline
     FORCED = "forced"  # it does not, but a session is too far behind to wait
+
+
+@dataclass(frozen=True)
+class CatchUpStep:
+    """One catch-up step: the sessions it takes a frame from, most behind first, and the rows of the
+    engine step that runs them (a compact bucket, or every slot: engine.row_buckets)."""
+
+    kind: CatchUp
+    sessions: list[Session]
+    rows: int
 
 
 @dataclass
@@ -48,11 +57,16 @@ class TickPolicy:
     # Frames a session must be behind (queued before the main step, besides the one it takes) for
     # a catch-up step to run even past the deadline: the trade between latency and late ticks.
     catch_up_lag_frames: int = LAG_FRAMES
-    # Measured times (EMAs, seconds). A catch-up step runs only the sessions still behind (idle
-    # rows attend over one KV entry), so it costs a fraction of a main step and has its own
-    # average; until one is measured it is taken to cost a main step.
+    # The row counts of the steps the engine can run, ascending (engine.row_buckets): compact
+    # buckets, then every slot. A catch-up step runs the smallest that holds the sessions behind,
+    # or the largest that fits with the most behind of them.
+    row_buckets: tuple[int, ...] = ()
+    # The engine's warm-up time of an idle step of each row count (engine.warm_step_s): the fixed
+    # part of a catch-up step of a size not yet measured here (catch_up_cost).
+    warm_s: dict[int, float] = field(default_factory=dict)
+    # Measured times (EMAs, seconds): the main step, catch-up steps by row count, prefill pieces.
     step_s: float = 0.0
-    catch_up_s: float | None = None
+    catch_up_s: dict[int, float] = field(default_factory=dict)
     piece_s: float = 0.0  # a prefill piece run alone, GPU time included
     slack_s: float | None = None  # time left in the period after a tick
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))
@@ -67,9 +81,14 @@ class TickPolicy:
 
     # ---- measurements ----------------------------------------------------------------------
 
-    def step_measured(self, seconds: float, catch_up: bool) -> None:
-        if catch_up:
-            self.catch_up_s = ema(self.catch_up_s, seconds)
+    def steps_known(self, row_buckets: tuple[int, ...], warm_s: dict[int, float]) -> None:
+        """The engine's step sizes and their idle warm-up times (see the fields)."""
+        self.row_buckets, self.warm_s = tuple(sorted(row_buckets)), dict(warm_s)
+
+    def step_measured(self, seconds: float, catch_up_rows: int | None = None) -> None:
+        """A main step's time (catch_up_rows None) or a catch-up step's of that many rows."""
+        if catch_up_rows is not None:
+            self.catch_up_s[catch_up_rows] = ema(self.catch_up_s.get(catch_up_rows), seconds)
         else:
             self.step_s = ema(self.step_s or None, seconds)
             self.recent_steps.append(seconds)
@@ -104,22 +123,55 @@ class TickPolicy:
         return [s for s in sessions if s.live and s.inputs]
 
     @staticmethod
-    def lag_frames(batch: list[Session]) -> int:
-        """How far behind the main step's batch is: the frames queued besides the one it takes.
-        Frames that arrive during the main step do not count: they are the next tick's, on time."""
-        return max(len(s.inputs) for s in batch) - 1
+    def lags(batch: list[Session]) -> dict[Session, int]:
+        """How far behind each session of the main step's batch is: the frames queued besides the one
+        it takes. Frames that arrive during the main step do not count: they are the next tick's, on time."""
+        return {s: len(s.inputs) - 1 for s in batch}
 
-    def catch_up(self, now: float, period_end: float, steps_run: int, lag: int) -> CatchUp:
-        """Whether another step runs for the sessions still behind. One that fits before the
-        deadline always does; when none would fit (a step over half the period), a tick whose
-        main step found a session catch_up_lag_frames behind runs one anyway, so the backlog
-        shrinks by a frame per tick instead of never."""
-        catch_up_s = self.step_s if self.catch_up_s is None else self.catch_up_s
-        if now + catch_up_s + self.headroom_s <= period_end:
-            return CatchUp.FITS
-        if steps_run == 1 and lag >= self.catch_up_lag_frames:
-            return CatchUp.FORCED
-        return CatchUp.NONE
+    def catch_up_cost(self, rows: int) -> float:
+        """Predicted seconds of a catch-up step of `rows` rows: its measured average. Before one is
+        measured: a step costs a fixed part, what it costs idle (its warm-up time), plus its active
+        rows' share of the rest, at the rate the main step pays per slot beyond its own idle time.
+        (Scaling the main step by warm(rows) / warm(every slot) would scale the fixed part by the
+        main step's rest too, about 3x at 160 full-context slots: 55 ms against 18 idle, bench/RESULTS.md;
+        and a step predicted not to fit is never run, so never measured.) Without warm-up times (a
+        clock driven by hand): the main step's."""
+        if rows in self.catch_up_s:
+            return self.catch_up_s[rows]
+        every = self.row_buckets[-1] if self.row_buckets else None
+        warm, warm_every = self.warm_s.get(rows), self.warm_s.get(every)
+        if warm is None or warm_every is None:
+            return self.step_s
+        per_slot = max(0.0, self.step_s - warm_every) / every
+        return min(self.step_s, warm + per_slot * rows)
+
+    def catch_up(self, now: float, period_end: float, behind: list[Session], lags: dict[Session, int],
+                 steps_run: int) -> CatchUpStep | None:
+        """The next step of a tick for the sessions still behind (live, a frame queued), or None.
+
+        It ends before the deadline: the smallest bucket that holds them all if it fits, else the
+        largest that fits, with the most behind of them. When none fits, a tick whose main step
+        found sessions catch_up_lag_frames behind (`lags`) runs one anyway (once: steps_run 1), in
+        the smallest bucket that holds those, filled with the most behind of the others (a row
+        costs little beside the step's fixed part), so the backlog shrinks by a frame per tick
+        instead of never."""
+        if not self.row_buckets:
+            raise RuntimeError("the policy needs the engine's row buckets (steps_known) before a catch-up")
+        order = sorted(behind, key=lambda s: -len(s.inputs))  # most behind first, arrival order among equals
+        holding = self._holding(len(order))
+        for rows in reversed([b for b in self.row_buckets if b <= holding]):
+            if now + self.catch_up_cost(rows) + self.headroom_s <= period_end:
+                return CatchUpStep(CatchUp.FITS, order[:rows], rows)
+        far = [s for s in order if lags.get(s, 0) >= self.catch_up_lag_frames]
+        if steps_run != 1 or not far:
+            return None
+        rows = self._holding(len(far))
+        rest = [s for s in order if lags.get(s, 0) < self.catch_up_lag_frames]
+        return CatchUpStep(CatchUp.FORCED, (far + rest)[:rows], rows)
+
+    def _holding(self, n: int) -> int:
+        """The smallest row count that holds n sessions (every slot's, the last, holds any)."""
+        return next((b for b in self.row_buckets if b >= n), self.row_buckets[-1])
 
     # ---- prefill -----------------------------------------------------------------------------
 
