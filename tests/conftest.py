@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # before any grpc import: services/__init__.py says why
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # before torch runs: services/__init__.py says why
 
 from pathlib import Path  # noqa: E402
 

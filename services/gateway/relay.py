@@ -409,7 +409,7 @@ class Relay:
             raise _open_failure(cell, failures)
         answer = self._opened["talker"].result()
         if answer.WhichOneof("kind") == "ready":
-            self.ready = answer.ready
+            self.ready = self._last_ready = answer.ready
         cell.live_sessions += 1
         self._counted = True
 
