@@ -124,13 +124,13 @@ def test_audio_during_a_slow_prefill_is_held_and_the_session_lives(stack):
 
 
 def test_a_burst_beyond_the_prefill_bound_is_refused_up_front_and_admitted_callers_talk(tiny_checkpoint):
-    """A talker whose prompts may wait at most 0.2 s in its prefill queue (8-frame pieces, so a long
+    """A talker whose prompts may wait at most 50 ms in its prefill queue (8-frame pieces, so a long
     persona is many pieces). One SDK caller starts a long prompt; a burst of three more arrives
     while it prefills: each would wait, so each is refused before session.created with a typed
     retry-later (rate_limit_error/server_busy, a retry hint, close 1013). The admitted caller gets
     audio; slots and gauges return to baseline."""
     with Stack(tiny_checkpoint, sessions=4, gateway_args=GATEWAY_ARGS,
-               talker_args=["--max-prefill-wait-s", "0.2", *SLOW_PREFILL]) as s:
+               talker_args=["--max-prefill-wait-s", "0.05", *SLOW_PREFILL]) as s:
         baseline = leak_baseline(s)
         first = sdk_connect(s)  # an empty queue: its estimate is one prompt's, under the bound
         first.send({"type": "session.update", "session": {"instructions": LONG_PERSONA}})

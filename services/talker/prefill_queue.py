@@ -11,7 +11,9 @@ ahead of it, plus its own, over the rate pieces are run at:
   cached KV is copied within a piece); an unbegun one (waiting, or on hold) is taken to need as many
   as the recent prompts needed (an average, PIECES_PER_PROMPT until one was measured);
 - the piece interval: the average time between two pieces completed while prompts were waiting
-  (the queue busy in between), one period until measured: at least one piece rides every tick.
+  (the queue busy in between); until measured, a quarter period (a piece alone takes 10-20 ms on an
+  H200, and a cold cell runs them back to back: taking one per period refused a failover's burst
+  after a dozen callers, front door run 18).
 
 No threads, no device: the clock reports each completed piece and asks for the estimate.
 """
@@ -25,12 +27,13 @@ from services.talker.session import Session
 
 PIECES_PER_PROMPT = 2.0  # an unmeasured prompt: voice copy + persona, and the closing silence
 SMOOTHING = 0.2  # weight of a new sample in the averages
+UNMEASURED_INTERVAL_PERIODS = 0.25  # the piece interval until one is measured, in periods
 
 
 class PrefillQueue:
     def __init__(self, tick_s: float, chunk_frames: int):
         self.chunk_frames = chunk_frames
-        self.piece_interval_s = tick_s
+        self.piece_interval_s = UNMEASURED_INTERVAL_PERIODS * tick_s
         self.pieces_per_prompt = PIECES_PER_PROMPT
         self._last_piece_at: float | None = None  # None: the queue was empty since the last piece
 
