@@ -175,3 +175,28 @@ def test_a_slow_tick_is_counted_by_what_it_held():
     assert slow_tick_cause(steps=2, late_start_s=0.0) == "catch_up"
     assert slow_tick_cause(steps=1, late_start_s=0.02) == "late_start"
     assert slow_tick_cause(steps=1, late_start_s=0.001) == "wait_and_step"
+
+
+def test_the_prefill_queue_estimate_is_bounded_and_recovers_when_the_queue_is_idle():
+    """A prompt's wait: the pieces ahead of it plus its own, at the measured piece interval. A gap over
+    a period counts as one period (a piece rides every main step), and an idle queue forgets when its
+    last piece ran, so an estimate can never stay over the bound with nothing queued (front door run 20)."""
+    from types import SimpleNamespace
+
+    from services.talker.prefill_queue import PIECES_PER_PROMPT, UNMEASURED_INTERVAL_PERIODS, PrefillQueue
+
+    q = PrefillQueue(tick_s=0.08, chunk_frames=64)
+    assert q.wait_s([]) == pytest.approx(PIECES_PER_PROMPT * UNMEASURED_INTERVAL_PERIODS * 0.08)
+    waiting = SimpleNamespace(waiting_for_prompt=True, on_hold=False, job=SimpleNamespace(total_frames=200,
+                                                                                         frames_done=8))
+    held = SimpleNamespace(waiting_for_prompt=False, on_hold=True, job=None)
+    live = SimpleNamespace(waiting_for_prompt=False, on_hold=False, job=None)
+    q.queue_became_busy(0.0)
+    for t in (0.5, 100.0, 200.0):  # gaps far over a period: each counts one period
+        q.piece_done(t, queue_left=True)
+    assert q.piece_interval_s <= 0.08
+    assert q.wait_s([waiting, held, live]) == pytest.approx((3 + PIECES_PER_PROMPT + PIECES_PER_PROMPT)
+                                                            * q.piece_interval_s)
+    q.wait_s([live])  # nothing queued: the stale last piece is forgotten
+    q.piece_done(1000.0, queue_left=False)
+    assert q.piece_interval_s <= 0.08

@@ -11,7 +11,10 @@ ahead of it, plus its own, over the rate pieces are run at:
   cached KV is copied within a piece); an unbegun one (waiting, or on hold) is taken to need as many
   as the recent prompts needed (an average, PIECES_PER_PROMPT until one was measured);
 - the piece interval: the average time between two pieces completed while prompts were waiting
-  (the queue busy in between); until measured, a quarter period (a piece alone takes 10-20 ms on an
+  (the queue busy in between), each gap counted at most one period: a piece rides every main step,
+  so a longer gap is a queue that went idle unnoticed, not a slower one (an unbounded gap once
+  held a cold cell's estimate over the bound for good: nothing was admitted, so nothing re-measured
+  it; front door run 20). Until measured, a quarter period (a piece alone takes 10-20 ms on an
   H200, and a cold cell runs them back to back: taking one per period refused a failover's burst
   after a dozen callers, front door run 18).
 
@@ -33,6 +36,7 @@ UNMEASURED_INTERVAL_PERIODS = 0.25  # the piece interval until one is measured, 
 class PrefillQueue:
     def __init__(self, tick_s: float, chunk_frames: int):
         self.chunk_frames = chunk_frames
+        self.tick_s = tick_s
         self.piece_interval_s = UNMEASURED_INTERVAL_PERIODS * tick_s
         self.pieces_per_prompt = PIECES_PER_PROMPT
         self._last_piece_at: float | None = None  # None: the queue was empty since the last piece
@@ -40,7 +44,7 @@ class PrefillQueue:
     def piece_done(self, now: float, queue_left: bool) -> None:
         """A piece completed at `now`; `queue_left`: a prompt is still waiting after it."""
         if self._last_piece_at is not None:
-            gap = now - self._last_piece_at
+            gap = min(now - self._last_piece_at, self.tick_s)
             self.piece_interval_s += SMOOTHING * (gap - self.piece_interval_s)
         self._last_piece_at = now if queue_left else None
 
@@ -60,5 +64,7 @@ class PrefillQueue:
 
     def wait_s(self, sessions: Iterable[Session]) -> float:
         """Seconds until a prompt opened now would be in its slot."""
-        ahead = sum(self.pieces_left(s) for s in sessions if s.waiting_for_prompt or s.on_hold)
-        return (ahead + self.pieces_per_prompt) * self.piece_interval_s
+        ahead = [s for s in sessions if s.waiting_for_prompt or s.on_hold]
+        if not ahead:
+            self._last_piece_at = None  # the queue is idle: the next gap counts from its next prompt
+        return (sum(self.pieces_left(s) for s in ahead) + self.pieces_per_prompt) * self.piece_interval_s
