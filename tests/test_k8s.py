@@ -622,8 +622,22 @@ def pod_security_problems(docs: list[dict]) -> list[str]:
     return [] if level == "privileged" else [f"namespace has no pod-security enforce label ({level})"]
 
 
+# Kinds that live outside any namespace.
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "DeviceClass", "PriorityClass"}
+
+
+def namespace_problems(docs: list[dict]) -> list[str]:
+    """Every namespaced object lands in the project's namespace (a ResourceClaimTemplate outside it cannot be
+    claimed by the cells' pods)."""
+    ns = of_kind(docs, "Namespace")
+    name = ns[0]["metadata"]["name"] if ns else None
+    return [f"{kn(d)}: namespace {d['metadata'].get('namespace')!r}, not {name!r}" for d in docs
+            if d["kind"] not in CLUSTER_SCOPED and d["metadata"].get("namespace") != name]
+
+
 COMMON_RULES = [
-    schema_problems, stage_grpc_probe_problems, gateway_http_probe_problems, resource_problems, security_problems,
+    schema_problems, namespace_problems, stage_grpc_probe_problems, gateway_http_probe_problems, resource_problems,
+    security_problems,
     same_uid_problems, checkpoint_problems, wiring_problems, selector_problems, network_policy_problems,
     drain_problems, pod_security_problems, gateway_workers_problems, service_config_problems,
 ]
@@ -728,6 +742,8 @@ BREAKAGES = {
                           lambda d: _container(d, "talker")["resources"]["limits"].update({"nvidia.com/gpu": 1})),
     "stage without claim": (gpu_problems, lambda d: _container(d, "decoder")["resources"].pop("claims")),
     "two gpus": (gpu_problems, lambda d: _gpu_request(d).update(count=2)),
+    "claim template outside the namespace": (namespace_problems, lambda d: find(d, "ResourceClaimTemplate", "cell-gpu")
+                                             ["metadata"].pop("namespace")),
     "template label drift": (selector_problems, lambda d: find(d, *CELL)["spec"]["template"]["metadata"]["labels"]
                              .update({"app.kubernetes.io/component": "cells"})),
     "hpa wrong target": (selector_problems, lambda d: find(d, "HorizontalPodAutoscaler", "gateway")
