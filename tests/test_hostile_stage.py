@@ -466,3 +466,48 @@ async def test_a_codec_stream_or_link_that_sends_nothing_ends_at_the_deadline_an
             assert service.runtime.links == 0 and service.runtime.unopened == 0
     finally:
         await service.stop()
+
+
+async def test_a_link_whose_caller_stops_reading_ends_at_the_write_deadline():
+    """A caller that opens sessions on a link and never reads their answers: once HTTP/2 flow
+    control stops the stage's writes, the link ends at its write deadline (link_not_read) and its
+    session with it, instead of holding them for good."""
+    import asyncio
+
+    from services.common.link import serve_link
+    from services.common.stage_server import StageRuntime, StageServer
+
+    runtime = StageRuntime("encoder", 2)
+    answered = asyncio.Event()
+
+    async def chatty(port):  # a session that answers far more than the caller reads
+        await port.read()
+        for seq in range(10_000):
+            await port.write(encoder_pb2.EncodeResponse(codes=common_pb2.CodesFrame(seq=seq, codes=[7] * 50_000)))
+            answered.set()
+
+    class Servicer(encoder_pb2_grpc.EncoderServicer):
+        async def EncodeLink(self, request_iterator, context):
+            await serve_link(runtime, context, encoder_pb2.EncodeLinkResponse, chatty, write_timeout_s=0.5)
+
+    server = StageServer(runtime, register=lambda s: encoder_pb2_grpc.add_EncoderServicer_to_server(Servicer(), s),
+                         service_names=["duplex.v1.Encoder"], metrics_port=None)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            link = encoder_pb2_grpc.EncoderStub(ch).EncodeLink()
+            entry = encoder_pb2.EncodeLinkRequest.Entry(stream_id="s", request=encoder_pb2.EncodeRequest(
+                open=common_pb2.StreamOpen(stream_id="s")))
+            await link.write(encoder_pb2.EncodeLinkRequest(entries=[entry]))
+            await asyncio.wait_for(answered.wait(), 10)
+            assert runtime.links == 1
+            deadline = time.monotonic() + 15
+            while runtime.links and time.monotonic() < deadline:  # never read: the writes stall
+                await asyncio.sleep(0.05)
+            assert runtime.links == 0, "the link outlived its write deadline"
+            errors = runtime.metrics.registry.get_sample_value("duplex_stage_errors_total",
+                                                               {"stage": "encoder", "kind": "link_not_read"})
+            assert errors == 1
+            link.cancel()
+    finally:
+        await server.stop(0)
