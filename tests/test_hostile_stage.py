@@ -61,12 +61,6 @@ def stack(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def feeder(stack):
-    with steady_feeder(stack) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
 def talker(stack):
     return stack.cell_procs[0].talker
 
@@ -118,12 +112,24 @@ class PacedTalk:
 
 
 @pytest.fixture(scope="module")
-def paced(talker, feeder):
-    p = PacedTalk(talker.address)
-    time.sleep(1.0)  # its outputs flowing
-    yield p
-    assert p.error is None, p.error
-    p.stop()
+def bystanders(stack, talker):
+    """For the whole module: a paced session through the gateway and a PacedTalk on the talker."""
+    with steady_feeder(stack) as through_gateway:
+        on_talker = PacedTalk(talker.address)
+        time.sleep(1.0)  # its outputs flowing
+        yield on_talker, through_gateway
+        assert on_talker.error is None, on_talker.error
+        on_talker.stop()
+
+
+@pytest.fixture
+def paced(bystanders) -> PacedTalk:
+    return bystanders[0]
+
+
+@pytest.fixture
+def feeder(bystanders):
+    return bystanders[1]
 
 
 def talker_ticks(talker) -> tuple[float, float]:
