@@ -78,6 +78,10 @@ def count_fields(raw: bytes, limit: int) -> int:
     end = len(raw)
     try:
         while i < end and n <= limit:
+            if raw[i] == 0x0A and raw[i + 1] < 0x80:  # the common field: an entry of less than 128 bytes
+                i += 2 + raw[i + 1]
+                n += 1
+                continue
             key, i = _varint(raw, i)
             wire = key & 7
             if wire == 2:
@@ -112,15 +116,18 @@ def checked_parser(parse: Callable[[bytes], object], max_entries: int = LINK_ENT
     parsing it (its error surfaces at the handler's read: the link ends with it)."""
 
     def parse_link_message(raw: bytes):
+        # A refusal leaves this frame without `raw`: the error's traceback keeps its frames alive (in
+        # asyncio's reference cycles, until a full collection), and with them 16 MiB a message.
+        size = len(raw)
         if count_fields(raw, max_entries) > max_entries:
-            raise ResourceExhausted(f"a link message holds more than {max_entries} entries (it has "
-                                    f"{len(raw)} bytes); send at most {max_entries} per message",
-                                    kind="link_message_too_large")
+            del raw
+            raise ResourceExhausted(f"a link message holds more than {max_entries} entries (it has {size} bytes); "
+                                    f"send at most {max_entries} per message", kind="link_message_too_large")
         try:
             return parse(raw)
         except DecodeError:
-            raise InvalidArgument(f"a link message of {len(raw)} bytes does not parse", kind="bad_link_message") \
-                from None
+            del raw
+            raise InvalidArgument(f"a link message of {size} bytes does not parse", kind="bad_link_message") from None
 
     return parse_link_message
 
@@ -238,14 +245,14 @@ class Link:
         reader = asyncio.create_task(self._read_loop(), name=f"{self.runtime.stage}-link-reader")
         try:
             await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if writer.done():
-                writer.result()  # its error ends the link
-            reader.result()
+            _raise_if_failed(writer)  # a caller that does not read
+            _raise_if_failed(reader)  # a refused message
             # The caller half-closed the link: its sessions' input ends, their queued work finishes.
             for port in list(self.ports.values()):
                 port.end_input()
             sessions = asyncio.ensure_future(asyncio.gather(*self.tasks.values(), return_exceptions=True))
             await asyncio.wait({sessions, writer}, return_when=asyncio.FIRST_COMPLETED)
+            _raise_if_failed(writer)
             self._finishing = True  # the writer sends what is queued (the sessions' last statuses), then ends
             self._out_ready.set()
             await writer
@@ -262,8 +269,9 @@ class Link:
         while msg is not grpc.aio.EOF:
             metrics.link_messages_in.inc()
             metrics.link_entries_in.inc(len(msg.entries))
-            for entry in msg.entries:  # before any entry is routed: a bad one ends the link
-                validate_stream_id(entry.stream_id)
+            if (refused := bad_stream_id(msg)) is not None:  # before any entry is routed: it ends the link
+                del msg  # not kept alive by the error's traceback (see checked_parser)
+                raise refused
             for i, entry in enumerate(msg.entries):
                 if i and i % ROUTE_BATCH == 0:
                     await asyncio.sleep(0)
@@ -365,6 +373,22 @@ class Link:
                                   f"read its link", kind="link_not_read") from None
             metrics.link_messages_out.inc()
             metrics.link_entries_out.inc(len(chunk))
+
+
+def bad_stream_id(msg) -> StageError | None:
+    """The error of the first entry whose stream id is not one (stream_id.py), else None."""
+    for entry in msg.entries:
+        try:
+            validate_stream_id(entry.stream_id)
+        except StageError as e:
+            return e.with_traceback(None)
+    return None
+
+
+def _raise_if_failed(task: asyncio.Task) -> None:
+    if not task.done() or task.cancelled() or (error := task.exception()) is None:
+        return
+    raise error
 
 
 def _chunks(entries: list, max_bytes: int):
