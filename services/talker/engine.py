@@ -712,6 +712,8 @@ class TalkerEngine:
                 if c.graph is None:
                     c.capture(self, pool)
         self.warm_step_s = {rows: self._idle_step_s(rows) for rows in self.row_buckets}
+        log.info("idle step of each row count (what an unmeasured catch-up is predicted from): %s",
+                 ", ".join(f"{rows} rows {t * 1e3:.1f} ms" for rows, t in sorted(self.warm_step_s.items())))
         if self.cuda_graph and not self._prefill_graphs:
             frames = min(self.prefill_graph_frames, self.context)
             pool = None
