@@ -59,6 +59,7 @@ from services.talker.tick_policy import LAG_FRAMES, CatchUp, TickPolicy
 
 log = logging.getLogger("talker.clock")
 
+MIN_RETRY_S = 1.0  # the shortest retry hint of a prefill_busy refusal
 PRELIVE_BACKLOG_FACTOR = 4  # max_prelive_frames = this x the backlog bound
 LATE_START_S = 0.010  # a slow tick that started this late after its deadline counts as "late_start"
 LOG_EVERY_S = 10.0  # at most one warning of each kind per this long, with a count
@@ -170,7 +171,10 @@ class ConversationClock:
         return wait
 
     def admit(self) -> None:
-        """Refuse an open whose prompt would wait longer than max_prefill_wait_s (0: never)."""
+        """Refuse an open whose prompt would wait longer than max_prefill_wait_s (0: never). The retry hint
+        is the whole estimated wait (the queue ahead drained), at least MIN_RETRY_S: the excess over the
+        bound alone (a tenth of a second) sent a failover's refused callers back all together, each
+        refused again, 20 times in a few seconds (front door run 21)."""
         if self.max_prefill_wait_s <= 0:
             return
         wait = self.prefill_wait_s()
@@ -179,7 +183,7 @@ class ConversationClock:
                 self.metrics.prefill_busy_refusals.inc()
             raise ResourceExhausted(
                 f"the prefill queue is busy: a prompt opened now would wait about {wait:.1f} s (bound "
-                f"{self.max_prefill_wait_s:.1f} s); {retry_hint(wait - self.max_prefill_wait_s)}", kind="prefill_busy")
+                f"{self.max_prefill_wait_s:.1f} s); {retry_hint(max(MIN_RETRY_S, wait))}", kind="prefill_busy")
 
     def push(self, s: Session, seq: int, codes: list[int]) -> None:
         """Queue one input frame (already validated and seq-checked by the caller). A session on
