@@ -173,3 +173,22 @@ def test_dropping_the_connection_mid_reprime_leaves_no_slot_taken(stack):
         assert rt.next_reply(60)["type"] == "session.updated"
         rt.close()
     assert_nothing_leaked(stack, baseline)
+
+
+def test_updates_waiting_for_the_prompt_are_bounded(stack):
+    """session.updates that change nothing, sent while the prompt is not live yet, each wait for it to go
+    live; at most 16 wait (a bounded list), the rest are refused typed, and the session goes on."""
+    baseline = leak_baseline(stack)
+    rt = sdk_connect(stack)
+    for i in range(20):
+        rt.send({"type": "session.update", "event_id": f"same{i}", "session": {"type": "realtime"}})
+    replies = [rt.next_reply(60) for _ in range(20)]
+    errors = [e for e in replies if e["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == ["rate_limit_exceeded"] * 4, errors
+    assert sum(e["type"] == "session.updated" for e in replies) == 16
+    rt.send(append(tone(4)))
+    while rt.frames < 3:
+        ev = rt.recv(60)
+        assert ev["type"] != "error", ev
+    rt.close()
+    assert_nothing_leaked(stack, baseline)

@@ -44,6 +44,7 @@ from services.gateway.relay import OutputFrame, Relay, RelayError
 from services.gateway.session import ClientSession
 
 REPRIME_WINDOW_S = 10.0  # the window of GatewayConfig.max_reprimes_per_10s
+MAX_WAITING_UPDATES = 16  # unchanged session.updates answered at go-live, at most this many waiting
 
 
 # One interruption, two events: the Agents SDK sends conversation.item.truncate and then a
@@ -189,17 +190,24 @@ class RealtimeSession(ClientSession):
             if self.relay.live:
                 self.emit({"type": "session.updated", "session": self._session_object()})
             else:
-                self._waiting.append((self.relay.primes, event_id))
+                self._wait_for_live(self.relay.primes, event_id)
             return
         if new.runtime_key() != self.settings.runtime_key():
-            self._waiting.append((await self._reprime(new), event_id))  # answered once its prompt is live
+            self._wait_for_live(await self._reprime(new), event_id)
             return
         if not self.relay.live:
+            self._wait_for_live(self.relay.primes, event_id)
             self.settings = new
-            self._waiting.append((self.relay.primes, event_id))
             return
         self.settings = new
         self.emit({"type": "session.updated", "session": self._session_object()})
+
+    def _wait_for_live(self, prime: int, event_id: str | None) -> None:
+        """Answer this update once prompt `prime` is live (on_prompt_live); at most MAX_WAITING_UPDATES wait."""
+        if len(self._waiting) >= MAX_WAITING_UPDATES:
+            raise ClientError("rate_limit_exceeded", f"{MAX_WAITING_UPDATES} session.updates already wait for the "
+                              "prompt to go live", "session", type_="rate_limit_error")
+        self._waiting.append((prime, event_id))
 
     async def _reprime(self, new: SessionSettings) -> int:
         """Nothing was said yet: the prompt is redone with the new settings in the same slot (the
@@ -236,6 +244,7 @@ class RealtimeSession(ClientSession):
         if self.closing:
             return
         live = self.relay.ready.prime
+        self._prime_settings = {n: v for n, v in self._prime_settings.items() if n >= live}  # older ones are done
         answered = [e for e in self._waiting if e[0] <= live]
         self._waiting = [e for e in self._waiting if e[0] > live]
         n = len(answered) or (0 if self._announced else 1)

@@ -445,6 +445,7 @@ class Relay:
         if ready.prime != self._accepted[-1]:
             return  # an earlier prompt's: replaced since
         self.ready = ready
+        self._accepted = [ready.prime]  # the primes before it can no longer go live
         self.on_ready(ready)
         while self._prelive and self._failed is None:
             self._forward(self._prelive.popleft())
