@@ -11,6 +11,7 @@ from services.talker.tick_policy import CatchUp, TickPolicy
 
 TICK = 0.08
 HEADROOM = 0.008  # a tenth of the period
+CATCH_UP_HEADROOM = 0.0024  # 3 % of it: a catch-up step's (a graph of fixed rows, its time measured)
 
 
 def session(name: str = "s", *, live: bool = True, queued: int = 0, last_input_at: float = float("-inf"),
@@ -77,7 +78,7 @@ def test_a_step_takes_live_sessions_with_a_frame_and_the_lag_counts_frames_besid
 
 
 BUCKETS = (8, 32, 160)  # engine.row_buckets at 160 slots: compact steps of 8 and 32 rows, then every slot
-MAIN_END = 0.055  # a 55 ms main step: 25 ms of the period left, 17 after the headroom
+MAIN_END = 0.055  # a 55 ms main step: 25 ms of the period left, 22.6 after a catch-up's headroom
 
 
 def behind(n: int, queued: int = 1) -> list[Session]:
@@ -97,17 +98,17 @@ def test_a_catch_up_step_is_the_smallest_bucket_that_holds_the_sessions_behind_i
     policy = measured(r8=6, r32=12)
     few, many, crowd = behind(5), behind(20), behind(100)
     step = policy.catch_up(MAIN_END, TICK, few, {}, steps_run=1)
-    assert (step.kind, step.rows, step.sessions) == (CatchUp.FITS, 8, few)  # 6 + 8 ms in 25
+    assert (step.kind, step.rows, step.sessions) == (CatchUp.FITS, 8, few)  # 6 + 2.4 ms in 25
     step = policy.catch_up(MAIN_END, TICK, many, {}, steps_run=1)
-    assert (step.rows, step.sessions) == (32, many)  # 12 + 8 ms
+    assert (step.rows, step.sessions) == (32, many)  # 12 + 2.4 ms
     # 100 behind: every slot's step (55 ms) does not fit, the largest bucket that does takes 32 of them
     step = policy.catch_up(MAIN_END, TICK, crowd, {}, steps_run=1)
     assert (step.rows, step.sessions) == (32, crowd[:32])
     # later in the period only 8 rows fit: the 8 most behind first
     late = [*behind(10), *behind(3, queued=3), *behind(5, queued=2)]
-    step = policy.catch_up(TICK - 0.016, TICK, late, {}, steps_run=3)
+    step = policy.catch_up(TICK - 0.010, TICK, late, {}, steps_run=3)
     assert step.rows == 8 and step.sessions == late[10:13] + late[13:18]
-    assert policy.catch_up(TICK - 0.013, TICK, late, {}, steps_run=3) is None  # 6 + 8 ms in 13: none
+    assert policy.catch_up(TICK - 0.008, TICK, late, {}, steps_run=3) is None  # 6 + 2.4 ms in 8: none
     with pytest.raises(RuntimeError, match="row buckets"):
         TickPolicy(TICK).catch_up(0.0, TICK, few, {}, steps_run=1)
 
@@ -116,7 +117,7 @@ def test_a_catch_up_size_not_yet_measured_costs_its_idle_time_plus_its_rows_shar
     policy = measured()
     policy.steps_known(BUCKETS, {8: 0.008, 32: 0.010, 160: 0.018})  # idle steps at warm-up
     per_slot = (0.055 - 0.018) / 160  # what the main step pays per slot beyond its idle time
-    assert policy.catch_up_cost(8) == pytest.approx(0.008 + 8 * per_slot)  # 9.9 ms: fits the 17 left
+    assert policy.catch_up_cost(8) == pytest.approx(0.008 + 8 * per_slot)  # 9.9 ms: fits the 22.6 left
     assert policy.catch_up_cost(32) == pytest.approx(0.010 + 32 * per_slot) and policy.catch_up_cost(160) == 0.055
     # (the main step scaled by 8 / 18 would be 24 ms: a step that never fits, so never measured)
     step = policy.catch_up(MAIN_END, TICK, behind(3), {}, steps_run=1)
@@ -133,7 +134,7 @@ def test_a_catch_up_size_not_yet_measured_costs_its_idle_time_plus_its_rows_shar
 
 def test_a_catch_up_step_that_would_not_fit_runs_only_for_sessions_too_far_behind_in_the_bucket_that_holds_them():
     policy = measured(r8=6, r32=12, r160=50)
-    now = TICK - 0.006 - HEADROOM + 0.001  # 1 ms too late for any
+    now = TICK - 0.006 - CATCH_UP_HEADROOM + 0.001  # 1 ms too late for any
     far, near = behind(2, queued=3), behind(20)
     lags = {s: 2 for s in far} | {s: 0 for s in near}  # frames queued before the main step, besides its own
     assert policy.catch_up(now, TICK, near, lags, steps_run=1) is None  # a frame behind: the next tick's
@@ -150,6 +151,30 @@ def test_a_catch_up_step_that_would_not_fit_runs_only_for_sessions_too_far_behin
     assert policy.catch_up(now - 0.002, TICK, far, lags, steps_run=1).kind is CatchUp.FITS
     with pytest.raises(ValueError, match="catch_up_lag_frames"):
         TickPolicy(TICK, catch_up_lag_frames=0)
+
+
+def test_with_sessions_behind_the_input_wait_leaves_room_for_the_smallest_catch_up_step():
+    policy = TickPolicy(TICK, input_wait_s=0.015, row_buckets=BUCKETS)
+    for _ in range(20):
+        policy.step_measured(0.05)
+    policy.step_measured(0.01, catch_up_rows=8)
+    assert policy.input_wait_end(0.0, TICK) == pytest.approx(0.015)  # nobody behind: the whole wait
+    # behind: 80 - 50 - 8 (the main step's share) - 10 - 2.4 (the 8-row catch-up's) = 9.6 ms
+    expected = TICK - 0.05 - HEADROOM - 0.01 - CATCH_UP_HEADROOM
+    assert policy.input_wait_end(0.0, TICK, behind=True) == pytest.approx(expected)
+    for _ in range(40):  # 57 ms main steps (160 slots beside the codecs): 2.6 ms of wait, and the catch-up fits
+        policy.step_measured(0.057)
+    until = policy.input_wait_end(0.0, TICK, behind=True)
+    assert until == pytest.approx(TICK - 0.057 - HEADROOM - 0.01 - CATCH_UP_HEADROOM, abs=1e-6)
+    assert policy.catch_up(until + 0.057, TICK, behind(3), {}, steps_run=1).rows == 8
+    assert policy.input_wait_end(0.0, TICK, behind=False) == pytest.approx(0.015)
+
+
+def test_catch_up_steps_take_only_frames_owed_to_the_period():
+    late, lagging, on_time = session("late"), session("lagging"), session("on_time")
+    owed = TickPolicy.owed({lagging: 2, on_time: 0}, skipped=[late])
+    # on_time's next frame, if it arrives during the main step, is the next tick's
+    assert owed == {lagging: 2, late: 1}
 
 
 def test_a_prefill_piece_that_would_not_fit_is_not_run():

@@ -11,8 +11,9 @@ so other processes can place their work around them):
     deadline ──▶ wait for due frames, never past the step's share of the period
                  main step: every live session with a queued frame, one frame each,
                    + one piece of the oldest waiting prompt riding it (runner.py)
-                 catch-up steps for the sessions still behind, most behind first, each a
-                   compact step sized to them and to the time left (engine.step_rows)
+                 catch-up steps for the sessions still behind (or skipped by the main step
+                   and whose frame has come since), most behind first, each a compact step
+                   sized to them and to the time left (engine.step_rows)
                  (the tick ends here: its outputs are out)
                  prefill pieces alone in the period's slack, while one fits
                  sleep until the next deadline (woken early by new work)
@@ -282,8 +283,9 @@ class ConversationClock:
         live = [s for s in self.sessions.values() if s.live]
         await self._wait_for_due_frames(live, period_end)
         batch = self.policy.batch(live)  # one may have ended while we waited
+        skipped = [s for s in live if s.live and not s.inputs]
         if self.metrics:
-            self.metrics.frames_skipped.inc(sum(1 for s in live if s.live and not s.inputs))
+            self.metrics.frames_skipped.inc(len(skipped))
         if not batch:
             return 0
         lags = self.policy.lags(batch)
@@ -292,13 +294,16 @@ class ConversationClock:
             self.metrics.sessions_behind.observe(sum(1 for lag in lags.values() if lag > 0))
         self._know_steps()
         steps = 1
-        while behind := self.policy.batch(self.sessions.values()):
+        owed = self.policy.owed(lags, skipped)
+        while behind := self.policy.batch(s for s, n in owed.items() if n > 0):
             catch_up = self.policy.catch_up(loop.time(), period_end, behind, lags, steps)
             if catch_up is None:
                 break
             if catch_up.kind is CatchUp.FORCED and self.metrics:
                 self.metrics.catch_up_forced.inc()
             await self._step(catch_up.sessions, catch_up.rows)
+            for s in catch_up.sessions:
+                owed[s] -= 1
             steps += 1
         return steps
 
@@ -335,7 +340,8 @@ class ConversationClock:
         """While a talking session's frame is due and the policy's wait has not run out, wait for arrivals."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        until = self.policy.input_wait_end(start, period_end)
+        behind = any(len(s.inputs) > 1 for s in live)
+        until = self.policy.input_wait_end(start, period_end, behind)
         if until is None:
             return
         waited = False

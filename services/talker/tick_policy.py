@@ -18,6 +18,11 @@ LAG_FRAMES = 2  # default catch_up_lag_frames
 # catch-up step or a prefill piece still ends before the next deadline: a step above its average
 # must end in time too.
 STEP_HEADROOM = 0.1
+# The same for a catch-up step: each is a CUDA graph of a fixed row count, measured per bucket,
+# and its spread is small (on the H200 at 160 slots an 8-row step took 11.7-12.7 ms, its GPU time
+# within 1 ms of that: bench.catch_up_check). A tenth of the period would keep the 8-row step out
+# of the 23 ms after a 57 ms main step, so a session that fell behind would stay behind.
+CATCH_UP_HEADROOM = 0.03
 # A session that sent a frame within this many periods is talking: its next frame is due.
 TALKING_PERIODS = 1.5
 # The input wait also leaves room for the slowest of the last RECENT_STEPS main steps (plus
@@ -79,6 +84,10 @@ class TickPolicy:
     def headroom_s(self) -> float:
         return STEP_HEADROOM * self.tick_s
 
+    @property
+    def catch_up_headroom_s(self) -> float:
+        return CATCH_UP_HEADROOM * self.tick_s
+
     # ---- measurements ----------------------------------------------------------------------
 
     def steps_known(self, row_buckets: tuple[int, ...], warm_s: dict[int, float]) -> None:
@@ -101,14 +110,21 @@ class TickPolicy:
 
     # ---- the input wait ----------------------------------------------------------------------
 
-    def input_wait_end(self, now: float, period_end: float) -> float | None:
+    def input_wait_end(self, now: float, period_end: float, behind: bool = False) -> float | None:
         """Until when to wait for due frames at a tick that starts at `now` (None: never wait):
         input_wait_s at most, and never past the point where the main step, taking its average
-        plus the headroom or as long as the slowest recent one, would end after period_end."""
+        plus the headroom or as long as the slowest recent one, would end after period_end.
+
+        With sessions behind (`behind`), the wait also leaves room after the main step for the
+        smallest catch-up step: waiting prevents a session from falling behind, a catch-up brings
+        8 back, and a wait that uses the whole slack makes sessions that fell behind stay behind."""
         if self.input_wait_s <= 0:
             return None
         slowest = max(self.recent_steps, default=0.0) + WAIT_MARGIN_S
-        return min(now + self.input_wait_s, period_end - max(self.step_s + self.headroom_s, slowest))
+        reserve = 0.0
+        if behind and self.row_buckets:
+            reserve = self.catch_up_cost(self.row_buckets[0]) + self.catch_up_headroom_s
+        return min(now + self.input_wait_s, period_end - reserve - max(self.step_s + self.headroom_s, slowest))
 
     def frame_due(self, s: Session, tick_start: float) -> bool:
         """Whether the tick should wait for s: live, talking, nothing queued, input not closed."""
@@ -127,6 +143,15 @@ class TickPolicy:
         """How far behind each session of the main step's batch is: the frames queued besides the one
         it takes. Frames that arrive during the main step do not count: they are the next tick's, on time."""
         return {s: len(s.inputs) - 1 for s in batch}
+
+    @staticmethod
+    def owed(lags: dict[Session, int], skipped: Iterable[Session]) -> dict[Session, int]:
+        """The frames a tick's catch-up steps may take from each session after its main step: a
+        session's lag, and one for a session that the main step skipped (its frame came late). A
+        frame that arrives during the main step from a session the main step took is the next
+        tick's, on time: taking it early would leave that session nothing at the next deadline,
+        where the input wait would wait for it, and spend catch-up rows owed to sessions behind."""
+        return {s: lag for s, lag in lags.items() if lag > 0} | {s: 1 for s in skipped}
 
     def catch_up_cost(self, rows: int) -> float:
         """Predicted seconds of a catch-up step of `rows` rows: its measured average. Before one is
@@ -160,7 +185,7 @@ class TickPolicy:
         order = sorted(behind, key=lambda s: -len(s.inputs))  # most behind first, arrival order among equals
         holding = self._holding(len(order))
         for rows in reversed([b for b in self.row_buckets if b <= holding]):
-            if now + self.catch_up_cost(rows) + self.headroom_s <= period_end:
+            if now + self.catch_up_cost(rows) + self.catch_up_headroom_s <= period_end:
                 return CatchUpStep(CatchUp.FITS, order[:rows], rows)
         far = [s for s in order if lags.get(s, 0) >= self.catch_up_lag_frames]
         if steps_run != 1 or not far:
