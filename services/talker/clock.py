@@ -101,6 +101,7 @@ class ConversationClock:
         self._task: asyncio.Task | None = None
         self._overruns, self._overrun_logged = 0, float("-inf")
         self._slow_ticks, self._slow_logged = 0, float("-inf")
+        self._unfit, self._unfit_logged = 0, float("-inf")  # ticks whose sessions behind got no catch-up
         self.ticks = 0
         self.steps = 0  # batched engine steps, main + catch-up
 
@@ -298,6 +299,8 @@ class ConversationClock:
         while behind := self.policy.batch(s for s, n in owed.items() if n > 0):
             catch_up = self.policy.catch_up(loop.time(), period_end, behind, lags, steps)
             if catch_up is None:
+                if steps == 1:
+                    self._log_unfit(len(behind), period_end - loop.time())
                 break
             if catch_up.kind is CatchUp.FORCED and self.metrics:
                 self.metrics.catch_up_forced.inc()
@@ -449,6 +452,20 @@ class ConversationClock:
             s.ended = True
 
     # ---- metrics and logs --------------------------------------------------------------------
+
+    def _log_unfit(self, behind: int, left_s: float) -> None:
+        """At most every LOG_EVERY_S: ticks whose sessions behind got no catch-up, with the time left
+        after the main step against the smallest catch-up's predicted cost (what decides it)."""
+        self._unfit += 1
+        now = time.monotonic()
+        if now - self._unfit_logged < LOG_EVERY_S:
+            return
+        p, rows = self.policy, self.policy.row_buckets[0]
+        log.info("no catch-up fitted in %d tick(s) since the last report: now %d session(s) behind, %.1f ms left "
+                 "after the main step (EMA %.1f ms), the %d-row catch-up predicted at %.1f ms + %.1f ms headroom",
+                 self._unfit, behind, left_s * 1e3, p.step_s * 1e3, rows, p.catch_up_cost(rows) * 1e3,
+                 p.catch_up_headroom_s * 1e3)
+        self._unfit, self._unfit_logged = 0, now
 
     def _count_refusal(self) -> None:
         if self.metrics:
