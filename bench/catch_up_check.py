@@ -10,10 +10,12 @@ weights and KV, torch.compile'd elementwise kernels, CUDA-graphed steps, every s
 slot 0 left in the middle of its prompt.
 
 1. Equality. For each bucket and 1, half and all of its rows active (random live slots in a random row
-   order), the state a step changes (every slot's token history, offset, ring length and the KV entry
+   order; about a third of them with a forced text token, gated or not: a say, engine.TextForcing),
+   the state a step changes (every slot's token history, offset, ring length and the KV entry
    at the ring index it writes) is saved; the eager full step (what step() runs without a graph) runs
    those slots; the state is put back and the graphed full step runs them; put back again, the graphed
-   compact step. Compared with the eager full step: the outputs of every slot (bit for bit) and that
+   compact step. Compared with the eager full step: the outputs of every slot (bit for bit, the text
+   each wrote included: where forced, the forced token or, gated, the model's word start) and that
    state (byte for byte), padding rows and the prefilling slot included. The compact step's state is
    kept, so the sessions move on from trial to trial.
 2. Cost. Each bucket's graphed step with 1 and with all its rows active, and the full step with every
@@ -38,7 +40,8 @@ import torch
 
 from services.common.checkpoint import CheckpointPaths
 from services.talker import fused
-from services.talker.engine import AGENT_CODEBOOKS, NO_FRAME, SamplingParams, StepResult, TalkerEngine
+from services.talker.engine import (
+    AGENT_CODEBOOKS, NO_FORCE, NO_FRAME, SamplingParams, StepResult, TalkerEngine, TextForcing)
 from services.talker.model import LMConfig, LMModel
 from services.talker.text import TextTokenizer
 from services.talker.tick_policy import TickPolicy
@@ -104,7 +107,7 @@ def put_back(eng: TalkerEngine, saved) -> None:
 def after(eng: TalkerEngine, r: StepResult, idx: torch.Tensor) -> dict[str, torch.Tensor]:
     """A step's outputs and the state it changed (KV entries at the step's ring index, as bytes)."""
     out = {"text_tokens": r.text_tokens, "agent_codes": r.agent_codes, "has_output": r.has_output,
-           "hist": eng.hist, "offset": eng.offset, "length": eng.kv.length}
+           "next_text": r.next_text, "hist": eng.hist, "offset": eng.offset, "length": eng.kv.length}
     for i, t in enumerate(eng.kv.save_entries(idx)):
         out[f"kv_store_{i}"] = t.contiguous().view(torch.uint8)
     return {k: v.clone() for k, v in out.items()}
@@ -119,6 +122,17 @@ def said(diff: dict[str, float] | None) -> str:
     return "equal" if not diff else "DIFFERS in " + ", ".join(f"{k} ({share:.2%})" for k, share in diff.items())
 
 
+def forcing(eng: TalkerEngine, slots: list[int], rng: random.Random) -> tuple[TextForcing, TextForcing]:
+    """A say's forcing for about a third of `slots` (random text ids, half of them waiting for the
+    model's word start): per row of `slots`, and per slot for the full step."""
+    tokens = [rng.randrange(4, eng.text_card) if rng.random() < 1 / 3 else NO_FORCE for _ in slots]
+    gated = [t != NO_FORCE and rng.random() < 0.5 for t in tokens]
+    rows = TextForcing(torch.tensor(tokens, dtype=torch.long), torch.tensor(gated, dtype=torch.bool))
+    full = TextForcing.none(eng.num_slots)
+    full.tokens[slots], full.gated[slots] = rows.tokens, rows.gated
+    return rows, full
+
+
 @torch.no_grad()
 def equality_trials(eng: TalkerEngine, live: list[int], rng: random.Random, trials_per_size: int) -> list[dict]:
     S, dev = eng.num_slots, eng.device
@@ -131,19 +145,21 @@ def equality_trials(eng: TalkerEngine, live: list[int], rng: random.Random, tria
                     rng.randrange(1 << 30)))
                 full_codes, active = torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool)
                 full_codes[slots], active[slots] = codes, True
+                forced, forced_full = forcing(eng, slots, rng)
                 saved = saved_state(eng)
                 idx = saved[0]
-                eager = after(eng, eng._advance(full_codes.to(dev), active.to(dev)), idx)  # step() without a graph
+                eager = after(eng, eng._advance(full_codes.to(dev), active.to(dev), forced_full.to(dev)),
+                              idx)  # step() without a graph
                 put_back(eng, saved)
                 graphed_full = None
                 if eng.cuda_graph:
-                    graphed_full = differences(eager, after(eng, eng.step(full_codes, active), idx))
+                    graphed_full = differences(eager, after(eng, eng.step(full_codes, active, forced_full), idx))
                     put_back(eng, saved)
-                compact = differences(eager, after(eng, eng.step_rows(slots, codes, rows), idx))
-                outputs = int(eager["has_output"].sum())
-                rows_out.append({"rows": rows, "active": n, "outputs": outputs, "compact_differs": compact,
-                                 "graphed_full_differs": graphed_full})
-                log(f"rows {rows:3d}, {n:3d} active ({outputs} outputs): compact {said(compact)}"
+                compact = differences(eager, after(eng, eng.step_rows(slots, codes, rows, forced), idx))
+                outputs, n_forced = int(eager["has_output"].sum()), int((forced.tokens != NO_FORCE).sum())
+                rows_out.append({"rows": rows, "active": n, "outputs": outputs, "forced": n_forced,
+                                 "compact_differs": compact, "graphed_full_differs": graphed_full})
+                log(f"rows {rows:3d}, {n:3d} active ({outputs} outputs, {n_forced} forced): compact {said(compact)}"
                     + ("" if graphed_full is None else f"; graphed full {said(graphed_full)}"))
     return rows_out
 
