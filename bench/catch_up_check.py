@@ -10,12 +10,16 @@ weights and KV, torch.compile'd elementwise kernels, CUDA-graphed steps, every s
 slot 0 left in the middle of its prompt.
 
 1. Equality. For each bucket and 1, half and all of its rows active (random live slots in a random row
-   order), the state a step changes (every slot's token history, offset, ring length and the KV entry
+   order; about a third of them with a forced text token, gated or not: a say, engine.TextForcing),
+   the state a step changes (every slot's token history, offset, ring length and the KV entry
    at the ring index it writes) is saved; the eager full step (what step() runs without a graph) runs
    those slots; the state is put back and the graphed full step runs them; put back again, the graphed
-   compact step. Compared with the eager full step: the outputs of every slot (bit for bit) and that
+   compact step. Compared with the eager full step: the outputs of every slot (bit for bit, the text
+   each wrote included: where forced, the forced token or, gated, the model's word start) and that
    state (byte for byte), padding rows and the prefilling slot included. The compact step's state is
-   kept, so the sessions move on from trial to trial.
+   kept, so the sessions move on from trial to trial. Apart from rounding, each of the three must write
+   what the forcing says (`forcing_ok`): the forced token where it does not wait, and where it waits the
+   forced token, EPAD or PAD (engine._force_text).
 2. Cost. Each bucket's graphed step with 1 and with all its rows active, and the full step with every
    slot active: wall time to the outputs on the host and GPU time (CUDA events), medians of --reps.
    Beside them the idle warm-up time of each (engine.warm_step_s), the clock's prior for a bucket not
@@ -38,9 +42,10 @@ import torch
 
 from services.common.checkpoint import CheckpointPaths
 from services.talker import fused
-from services.talker.engine import AGENT_CODEBOOKS, NO_FRAME, SamplingParams, StepResult, TalkerEngine
+from services.talker.engine import (
+    AGENT_CODEBOOKS, NO_FORCE, NO_FRAME, SamplingParams, StepResult, TalkerEngine, TextForcing)
 from services.talker.model import LMConfig, LMModel
-from services.talker.text import TextTokenizer
+from services.talker.text import EPAD_ID, PAD_ID, TextTokenizer
 from services.talker.tick_policy import TickPolicy
 from tools.make_checkpoint import ensure_checkpoint
 
@@ -104,7 +109,7 @@ def put_back(eng: TalkerEngine, saved) -> None:
 def after(eng: TalkerEngine, r: StepResult, idx: torch.Tensor) -> dict[str, torch.Tensor]:
     """A step's outputs and the state it changed (KV entries at the step's ring index, as bytes)."""
     out = {"text_tokens": r.text_tokens, "agent_codes": r.agent_codes, "has_output": r.has_output,
-           "hist": eng.hist, "offset": eng.offset, "length": eng.kv.length}
+           "next_text": r.next_text, "hist": eng.hist, "offset": eng.offset, "length": eng.kv.length}
     for i, t in enumerate(eng.kv.save_entries(idx)):
         out[f"kv_store_{i}"] = t.contiguous().view(torch.uint8)
     return {k: v.clone() for k, v in out.items()}
@@ -119,6 +124,27 @@ def said(diff: dict[str, float] | None) -> str:
     return "equal" if not diff else "DIFFERS in " + ", ".join(f"{k} ({share:.2%})" for k, share in diff.items())
 
 
+def forcing_ok(eng: TalkerEngine, result: dict, full: TextForcing) -> bool:
+    """Whether a step wrote what `full` forces (engine._force_text), whatever its rounding."""
+    written, tokens, gated = result["next_text"].cpu(), full.tokens, full.gated
+    forced = tokens != NO_FORCE
+    plain = forced & ~gated
+    waited = forced & gated
+    allowed = (written == tokens) | (written == EPAD_ID) | (written == PAD_ID)
+    return bool((written[plain] == tokens[plain]).all() and allowed[waited].all())
+
+
+def forcing(eng: TalkerEngine, slots: list[int], rng: random.Random) -> tuple[TextForcing, TextForcing]:
+    """A say's forcing for about a third of `slots` (random text ids, half of them waiting for the
+    model's word start): per row of `slots`, and per slot for the full step."""
+    tokens = [rng.randrange(4, eng.text_card) if rng.random() < 1 / 3 else NO_FORCE for _ in slots]
+    gated = [t != NO_FORCE and rng.random() < 0.5 for t in tokens]
+    rows = TextForcing(torch.tensor(tokens, dtype=torch.long), torch.tensor(gated, dtype=torch.bool))
+    full = TextForcing.none(eng.num_slots)
+    full.tokens[slots], full.gated[slots] = rows.tokens, rows.gated
+    return rows, full
+
+
 @torch.no_grad()
 def equality_trials(eng: TalkerEngine, live: list[int], rng: random.Random, trials_per_size: int) -> list[dict]:
     S, dev = eng.num_slots, eng.device
@@ -131,19 +157,24 @@ def equality_trials(eng: TalkerEngine, live: list[int], rng: random.Random, tria
                     rng.randrange(1 << 30)))
                 full_codes, active = torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool)
                 full_codes[slots], active[slots] = codes, True
+                forced, forced_full = forcing(eng, slots, rng)
                 saved = saved_state(eng)
                 idx = saved[0]
-                eager = after(eng, eng._advance(full_codes.to(dev), active.to(dev)), idx)  # step() without a graph
+                eager = after(eng, eng._advance(full_codes.to(dev), active.to(dev), forced_full.to(dev)),
+                              idx)  # step() without a graph
                 put_back(eng, saved)
                 graphed_full = None
+                ok = forcing_ok(eng, eager, forced_full)
                 if eng.cuda_graph:
-                    graphed_full = differences(eager, after(eng, eng.step(full_codes, active), idx))
+                    graphed = after(eng, eng.step(full_codes, active, forced_full), idx)
+                    graphed_full, ok = differences(eager, graphed), ok and forcing_ok(eng, graphed, forced_full)
                     put_back(eng, saved)
-                compact = differences(eager, after(eng, eng.step_rows(slots, codes, rows), idx))
-                outputs = int(eager["has_output"].sum())
-                rows_out.append({"rows": rows, "active": n, "outputs": outputs, "compact_differs": compact,
-                                 "graphed_full_differs": graphed_full})
-                log(f"rows {rows:3d}, {n:3d} active ({outputs} outputs): compact {said(compact)}"
+                stepped = after(eng, eng.step_rows(slots, codes, rows, forced), idx)
+                compact, ok = differences(eager, stepped), ok and forcing_ok(eng, stepped, forced_full)
+                outputs, n_forced = int(eager["has_output"].sum()), int((forced.tokens != NO_FORCE).sum())
+                rows_out.append({"rows": rows, "active": n, "outputs": outputs, "forced": n_forced, "forcing_ok": ok,
+                                 "compact_differs": compact, "graphed_full_differs": graphed_full})
+                log(f"rows {rows:3d}, {n:3d} active ({outputs} outputs, {n_forced} forced): compact {said(compact)}"
                     + ("" if graphed_full is None else f"; graphed full {said(graphed_full)}"))
     return rows_out
 
@@ -210,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     table = costs(eng, live, args.reps)
     equal = all(not t["compact_differs"] for t in trials)
     graphs_equal = all(not t["graphed_full_differs"] for t in trials if t["graphed_full_differs"] is not None)
+    forced_right = all(t["forcing_ok"] for t in trials)
     print(f"\ncompact steps equal to the eager full step: {equal} ({len(trials)} trials); graphed full step "
-          f"equal to the eager one: {graphs_equal if eng.cuda_graph else 'n/a (no graphs)'}")
+          f"equal to the eager one: {graphs_equal if eng.cuda_graph else 'n/a (no graphs)'}; every step wrote "
+          f"what its forcing says: {forced_right}")
     print(f"\n{'rows':>5} {'active':>6} {'wall p50 ms':>12} {'GPU p50 ms':>11} {'idle warm-up ms':>16} "
           f"{'prior ms':>9} {'ratio prior ms':>15}")
     for r in table:
@@ -223,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": device, "slots": eng.num_slots, "row_buckets": list(eng.row_buckets), "smoke": args.smoke,
               "kv_bits": args.kv_bits,
               "compact_equal": equal, "graphed_full_equal": graphs_equal if eng.cuda_graph else None,
+              "forcing_ok": forced_right,
               "trials": trials, "costs": table, "warm_step_ms": {r: s * 1e3 for r, s in eng.warm_step_s.items()}}
     (out / "catch_up_check.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / 'catch_up_check.json'}")
-    return 0 if equal and graphs_equal else 1
+    return 0 if equal and graphs_equal and forced_right else 1
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 a running step) gives exactly what the eager engine gives. CPU tests cannot run CUDA graphs.
 
     python -m bench.prefill_graph_check [--kv-bits 32,8,4]       # exits 1 on any difference
+    python -m bench.prefill_graph_check --smoke                  # the CPU, eager against eager: checks the script
 
 The tiny checkpoint in fp32 on the GPU, both alignments, fp32, fp8 and 4-bit KV: a session in slot 0 is live and steps
 while a session with a voice and a persona prefills in slot 2, three frames per step (so prompt
 chunks run between steps, each padded to the graph's 4-frame chunk, reading 8, 16, then all ring
-entries as the prompt grows); then both talk for 30 frames. Compared: every output token and
+entries as the prompt grows); then both talk for 30 frames, slot 0 saying a sentence (its text tokens
+forced by services/talker/say.py's queue, gated and not: a forced token is data to the graph).
+Compared: every output token and
 code of both sessions, the written part of slot 2's KV ring (as `read` gives it: every layer's keys
 and values, dequantized) and its length after the prompt. The
 graphed run also checks that slot 2's begin() and chunks never wait for the GPU (they ride a
@@ -21,7 +24,8 @@ import sys
 import torch
 
 from services.common.checkpoint import CheckpointPaths
-from services.talker.engine import SamplingParams, TalkerEngine
+from services.talker.engine import SamplingParams, TalkerEngine, TextForcing
+from services.talker.say import SayQueue, say_words
 from tools.make_checkpoint import ensure_checkpoint
 
 
@@ -45,19 +49,24 @@ def talk_while_prefilling(eng: TalkerEngine, frames: torch.Tensor, no_sync: bool
                 job2 = eng.begin(2, "NATF2.pt", "You are a calm assistant.", SamplingParams(seed=5))
             job2.run(3)
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            if no_sync:
+                torch.cuda.set_sync_debug_mode(0)
     return results
 
 
-def run(paths: CheckpointPaths, kv_bits: int | None, graphed: bool, alignment: str) -> tuple[list, torch.Tensor, int]:
-    eng = TalkerEngine.from_checkpoint(paths, slots=3, device="cuda", dtype=torch.float32, kv_bits=kv_bits,
+SAY = "Thank you for your order, it will arrive on Monday."
+
+
+def run(paths: CheckpointPaths, kv_bits: int | None, graphed: bool, alignment: str,
+        device: str = "cuda") -> tuple[list, torch.Tensor, int]:
+    eng = TalkerEngine.from_checkpoint(paths, slots=3, device=device, dtype=torch.float32, kv_bits=kv_bits,
                                        cuda_graph=graphed, alignment=alignment)
     eng.prefill_graph_frames = 4  # several padded chunks per prompt ...
     eng.prefill_graph_windows = (8, 16)  # ... run by each captured window in turn, then the whole-ring one
     eng.warmup(("NATF2.pt",))
     g = torch.Generator().manual_seed(0)
     frames = torch.randint(0, eng.card, (60, 3, 8), generator=g)
-    results = talk_while_prefilling(eng, frames, no_sync=graphed)
+    results = talk_while_prefilling(eng, frames, no_sync=graphed and device == "cuda")
     outs, t = [r.agent_codes[0].tolist() for r in results], len(results)
     length = int(eng.kv.length[2])
     # The written positions only: past them a graphed chunk leaves its padding (never read).
@@ -65,26 +74,40 @@ def run(paths: CheckpointPaths, kv_bits: int | None, graphed: bool, alignment: s
     kv2 = torch.cat([t.flatten() for layer in range(eng.kv.num_layers)
                      for t in eng.kv.read(layer, slot2, torch.float32, entries=length)]).cpu()
     both = torch.tensor([True, False, True])
+    say = SayQueue(max_wait_frames=2)  # slot 0 says SAY
+    say.add(1, say_words(eng.tokenizer, SAY, 1000))
+    said = []
     for _ in range(30):
-        r = eng.step(frames[t], both)
-        outs.append((r.text_tokens.tolist(), r.agent_codes.tolist()))
+        offer, forced = say.next_force(), TextForcing.none(3)
+        if offer is not None:
+            forced.tokens[0], forced.gated[0] = offer.token, offer.gated
+        r = eng.step(frames[t], both, forced)
+        said += say.stepped(int(r.next_text[0]))
+        outs.append((r.text_tokens.tolist(), r.agent_codes.tolist(), r.next_text.tolist()))
         t += 1
+    outs.append([d.tokens_said for d in said])  # the say went through (and the same way in both runs)
     return outs, kv2, length
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-bits", default="32,8,4", help="the rings to check: 32 (the fp32 compute dtype), 8, 4")
+    ap.add_argument("--smoke", action="store_true", help="on the CPU, eager against eager (checks the script)")
     args = ap.parse_args(argv)
     rings = [None if b == "32" else int(b) for b in args.kv_bits.split(",")]
-    if not torch.cuda.is_available():
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        torch.set_num_threads(1)
+        rings = [r for r in rings if r != 4][:1]  # one ring: the script, not the kernels
+    elif not torch.cuda.is_available():
         print("bench.prefill_graph_check needs a CUDA GPU", file=sys.stderr)
         return 2
     paths = CheckpointPaths.open(ensure_checkpoint("tiny", seed=0))
     ok = True
     for alignment, kv_bits in ((a, b) for a in ("personaplex", "moshi") for b in rings):
-        eager_out, eager_kv, eager_len = run(paths, kv_bits, graphed=False, alignment=alignment)
-        graph_out, graph_kv, graph_len = run(paths, kv_bits, graphed=True, alignment=alignment)
+        eager_out, eager_kv, eager_len = run(paths, kv_bits, graphed=False, alignment=alignment, device=device)
+        graph_out, graph_kv, graph_len = run(paths, kv_bits, graphed=not args.smoke, alignment=alignment,
+                                             device=device)
         same_out = eager_out == graph_out
         kv_err = float((graph_kv - eager_kv).abs().max())
         good = same_out and eager_len == graph_len and kv_err <= 1e-4

@@ -3,6 +3,8 @@
 One WebSocket = one session = one continuous stream of model output, shown to the client as
 responses (conversation.py): one open from the first accepted audio on; response.cancel or a
 truncate of its item ends it early (its unsent audio dropped) and the next opens at once.
+"Say this" (say.py): an assistant item's text, or a response.create's instructions, is spoken by the
+model in its voice; a barge-in drops what is not said yet.
 `RealtimeSession` is the wire's adapter on the shared session (session.py): it reads client events
 (parsed and validated by realtime_wire.py), keeps the settings and the conversation record, and
 renders output frames and endings as events.
@@ -41,6 +43,7 @@ from services.gateway.realtime_wire import (
     parse_item_create, parse_session_update, refusal, response_metadata, session_closed_event, session_object,
     settle_update_after_audio, truncate_end_ms)
 from services.gateway.relay import OutputFrame, Relay, RelayError
+from services.gateway.say import SayRequests, item_say_text, response_say_text
 from services.gateway.session import ClientSession
 
 REPRIME_WINDOW_S = 10.0  # the window of GatewayConfig.max_reprimes_per_10s
@@ -71,6 +74,7 @@ class RealtimeSession(ClientSession):
         self.conv: Conversation | None = None  # from the first accepted audio on
         self._next_metadata: dict | None = None  # a response.create's metadata, for the first response
         self._after_barge_in: str | None = None  # the response a barge-in started (see _on_cancel)
+        self.says: SayRequests | None = None  # with the relay: what the model is asked to say (say.py)
         self._seq = 0  # server_event_seq of the last event sent
         # session.updates before audio not yet answered, (the prime whose prompt answers it, event_id)
         self._waiting: list[tuple[int, str | None]] = []
@@ -154,6 +158,8 @@ class RealtimeSession(ClientSession):
             return False
         self.settings = self._prime_settings[0] = settings
         self.adopt(relay)
+        self.says = SayRequests(relay.talk)
+        relay.on_say = self._on_say_answer
         self.count_opened()
         self.emit({"type": "session.created", "session": self._session_object()})
         if relay.live:
@@ -314,6 +320,8 @@ class RealtimeSession(ClientSession):
     def _barge_in(self, why: str) -> None:
         """End the current response now: its audio not yet sent is dropped, the next response starts
         at once (the model, its context and the slot go on)."""
+        if self.says is not None:
+            self.says.cancel_all()  # what the model was asked to say and has not said yet goes too
         dropped = self.drop_queued(self.conv.current.id)
         self.log.info("session %s: %s: response %s cancelled, %d queued events dropped", self.session_id, why,
                       self.conv.current.id, dropped)
@@ -354,26 +362,59 @@ class RealtimeSession(ClientSession):
         self.emit(self.conv.retrieved(item_id))
 
     async def _on_response_create(self, event: dict) -> None:
-        if self.conv is None and (metadata := response_metadata(event)) is not None:
+        text = response_say_text(event)
+        metadata = response_metadata(event)
+        if text is not None:
+            self._say(text, client_event_id(event), "response.instructions")
+            if self.conv is not None and self.conv.current is not None:
+                # What is said is a new response, answering this create (LiveKit's generate_reply waits for
+                # the response.created carrying its metadata): the one playing completes, the next opens.
+                self._next_metadata = metadata
+                self._finish_response("completed")
+                self._start_response()
+                return
+        if self.conv is None and metadata is not None:
             self._next_metadata = metadata  # the first response (at the first audio) carries it
-        self.log.info("session %s: response.create: the continuous response is (or will be) running",
-                      self.session_id)
+        self.log.info("session %s: response.create: the continuous response is (or will be) running%s",
+                      self.session_id, " (its instructions are said)" if text is not None else "")
 
     async def _on_no_op(self, event: dict) -> None:
         self.log.debug("session %s: %s: nothing to do (continuous input)", self.session_id, event["type"])
 
     async def _on_item_create(self, event: dict) -> None:
         """Context items frameworks send (history, system notes) are recorded and acknowledged. The
-        model reads only audio; its persona is `instructions`."""
+        model reads only audio, its persona is `instructions`; an assistant message's text is said
+        (say.py)."""
         item_id, role, content = parse_item_create(event)
         if self.conv is None:
             self.conv = Conversation(self.session_id, legacy=self.settings.legacy_event_names)
         if self.conv.has(item_id):
             raise ClientError("item_create_duplicate_item_id", f"item {item_id!r} already exists", "item.id")
-        self.log.info("session %s: %s item %s recorded (text does not reach the model)", self.session_id, role,
-                      item_id)
+        text = item_say_text(role, content)
+        if text is not None:
+            self._say(text, client_event_id(event), "item.content")  # refused here: the item is not recorded
+        self.log.info("session %s: %s item %s recorded%s", self.session_id, role, item_id,
+                      " (its text is said)" if text is not None else " (text does not reach the model)")
         for ev in self.conv.add_client_item(item_id, role, content):
             self.emit(ev)
+
+    def _say(self, text: str, event_id: str | None, param: str) -> None:
+        if self.relay is None or self.says is None:
+            raise ClientError("session_not_started", "send session.update (or connect with ?model=) before "
+                              "asking the model to say something", param)
+        if self.closing:
+            raise ClientError("bad_event", "the session is closing")
+        try:
+            self.says.say(text, event_id, param)
+        except RelayError as e:  # the session's stages failed: its end follows
+            raise ClientError(e.code, e.message, type_=e.error_type) from None
+
+    def _on_say_answer(self, resp) -> None:
+        """The talker's answer to a say: a refusal becomes an error naming the event that asked."""
+        refused = self.says.answered(resp)
+        if refused is not None and not self.closing:
+            err, event_id = refused
+            self.send_error(err.type, err.code, err.message, event_id)
 
     async def _on_item_delete(self, event: dict) -> None:
         item_id = event.get("item_id")

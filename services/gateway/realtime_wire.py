@@ -280,6 +280,7 @@ def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> 
         "supports_multi_session_same_replica": pool_summary["max_cell_slots"] > 1,
         "supports_barge_in": False,
         "supports_session_resume": False,
+        "supports_say": True,  # an assistant item's text is spoken (services/gateway/say.py)
         "supports_audio_truncate": True,
         "supports_client_commit": False,
         "supports_input_append": True,

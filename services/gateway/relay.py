@@ -316,6 +316,7 @@ class Relay:
         self.on_ready: Callable[[talker_pb2.TalkReady], None] = lambda r: None  # the latest prompt is live
         # A prime the talker refused (its number, the refusal): the session goes on with its last prompt.
         self.on_prime_refused: Callable[[int, RelayError], None] = lambda n, e: None
+        self.on_say: Callable[[talker_pb2.TalkResponse], None] = lambda r: None  # say_done / say_refused (say.py)
         self.primes = 0  # primes sent (numbered 1, 2, ...)
         self._accepted = [0]  # the open's prompt and each prime not refused: the last one's ready makes it live
         self._last_ready: talker_pb2.TalkReady | None = None
@@ -440,6 +441,12 @@ class Relay:
             voice=voice, persona=persona, sampling=sampling, voice_audio=voice_audio, prime=self.primes)))
         return self.primes
 
+    def talk(self, request: talker_pb2.TalkRequest) -> None:
+        """One more request on the session's talker stream (a say or say_cancel: services/gateway/say.py)."""
+        if self._failed:
+            raise self._failed
+        self._send("talker", request=request)
+
     def _on_ready(self, ready: talker_pb2.TalkReady) -> None:
         self._last_ready = ready
         if ready.prime != self._accepted[-1]:
@@ -512,6 +519,9 @@ class Relay:
             return
         if kind == "prime_refused":
             self._on_prime_refused(resp.prime_refused)
+            return
+        if kind in ("say_done", "say_refused"):
+            self.on_say(resp)
             return
         if self._aborting:
             return

@@ -369,9 +369,10 @@ class ConversationClock:
         # submitting the step: a close() can only queue its release behind this step.
         rider = None if catch_up_rows is not None else self.policy.next_prompt(self.sessions.values())
         slots = [s.slot for s in batch]
+        forced = {s.slot: f for s in batch if s.say is not None and (f := s.say.next_force()) is not None}  # say.py
         self.pool.pin(slots)
         try:
-            out = await self.runner.step([(s.slot, codes) for s, _, codes in taken], rider, catch_up_rows)
+            out = await self.runner.step([(s.slot, codes) for s, _, codes in taken], rider, catch_up_rows, forced)
         except Exception as e:
             for s in batch:
                 self.fail(s, e)
@@ -388,6 +389,8 @@ class ConversationClock:
         for s, seq, _ in taken:
             if s.closed:
                 continue  # closed while its step ran: the output has nowhere to go
+            for done in s.say.stepped(out.next_text[s.slot]) if s.say is not None else ():
+                s.outbox.put_nowait(done)
             if out.has_output[s.slot]:
                 i = s.slot
                 output = Output(s.out_seq, seq, out.tokens[i], out.text[i], out.agent_codes[i])

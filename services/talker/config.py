@@ -14,6 +14,7 @@ import torch
 
 from services.common.config import option
 from services.common.stage_config import METRICS_PORT_HELP, PORT_HELP, StageConfig
+from services.talker import say
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +73,12 @@ class TalkerConfig(StageConfig):
     voice_cache_dir: str = option("", help="where voices recorded from audio are kept as .pt "
                                            "(\"\" = personaplex-voices in the temp folder)")
     max_voice_seconds: float = option(60.0, help="longer voice audio is INVALID_ARGUMENT (bad_voice)")
+    # Text an application has the model say (TalkSay, services/talker/say.py).
+    max_say_chars: int = option(say.MAX_SAY_CHARS, help="a longer say is refused (say_too_long)")
+    max_say_tokens: int = option(say.MAX_SAY_TOKENS, help="say tokens a session may have queued (beyond: "
+                                                          "say_queue_full)")
+    say_max_wait_frames: int = option(say.MAX_WAIT_FRAMES, help="frames a said word waits for the model to "
+                                                                "start a word before it is forced")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,6 +116,9 @@ class TalkerConfig(StageConfig):
             raise ValueError(f"max_voice_seconds must be in [0.5, 600], got {self.max_voice_seconds}")
         if self.max_persona_chars < 1:
             raise ValueError(f"max_persona_chars must be >= 1, got {self.max_persona_chars}")
+        if self.max_say_chars < 1 or self.max_say_tokens < 1 or self.say_max_wait_frames < 0:
+            raise ValueError(f"max_say_chars and max_say_tokens must be >= 1 and say_max_wait_frames >= 0, got "
+                             f"{self.max_say_chars}, {self.max_say_tokens}, {self.say_max_wait_frames}")
 
     @property
     def voices_to_preload(self) -> tuple[str, ...]:

@@ -6,6 +6,7 @@
     r = engine.step(user_codes[S, 8], active[S])      # one 80 ms frame for the active slots
     r.text_tokens[S], r.agent_codes[S, 8], r.has_output[S]
     r = engine.step_rows([3, 5], user_codes[2, 8], rows=8)  # the same for slots 3 and 5 alone (a catch-up)
+    r = engine.step(codes, active, forced=TextForcing(tokens[S], gated[S]))  # text tokens forced (a say)
 
 Per slot the engine keeps: the temporal KV ring (in the LM's KVCache), a token-history ring
 of 4 columns (`hist`, column c at index c % 4, see prompt.py for columns), the column the next
@@ -51,6 +52,15 @@ personaplex step j-1 would have written it, the same columns) and, at step 0, a 
 user frame. Same tokens, same window; the caller can run step j as soon as frame j-1 is in,
 one frame period before frame j arrives.
 
+Forced text (`TextForcing`, services/talker/say.py decides what): a step may force a slot's text
+token, the one it samples for column o+1 and conditions the depformer's agent codes on, so the model
+speaks it. The token is data, like the user codes (a per-row token, NO_FORCE for none, and a mask),
+so the full step, the compact steps and their CUDA graphs run it unchanged. A gated force waits for
+the model's word start: where the model samples EPAD it is kept (the word starts next frame), a
+word-starting piece is replaced by the forced token, and anything else by PAD (the model may pad
+before the word, not run on with a word of its own).
+`StepResult.next_text` is the text token each step wrote, for the caller to follow its forcing.
+
 Prompt prefill runs the temporal transformer on whole chunks of prompt columns (parallel,
 T frames per call) instead of frame by frame. The voice part is the same for every session of
 a voice: its KV is computed once per voice (`_VoicePrefix`) and copied into the slot.
@@ -61,25 +71,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from services.common import voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
-from services.talker.text import InvalidText, TextTokenizer
+from services.talker.text import EPAD_ID, PAD_ID, InvalidText, TextTokenizer
 from services.talker import prompt
 from services.talker.model import LMConfig, LMModel
 from services.talker.sampling import InvalidSampling, RowParams, SamplingParams, noise_key, sample
 from services.talker.voices import RING, VoicePrompt, load_voice
 from services.common.frame import CODEBOOKS as AGENT_CODEBOOKS
 
-__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "InvalidPersona", "InvalidSampling",
-           "InvalidVoice",
-           "ALIGNMENTS", "NO_FRAME"]
+__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "TextForcing", "InvalidPersona",
+           "InvalidSampling", "InvalidVoice", "ALIGNMENTS", "NO_FRAME", "NO_FORCE"]
 
 log = logging.getLogger("talker.engine")
 
 NO_FRAME = -1  # a step_ahead engine's user code row for step 0, which has no user frame to write
+NO_FORCE = -1  # a TextForcing token: the row's text is the model's own
 ALIGNMENTS = ("personaplex", "moshi")  # the live-step timings (module doc); TalkerConfig.alignment
 GRAPH_TEXT_TOP_K = 1024  # text top-k width a CUDA-graphed step is captured for (audio: the whole card)
 
@@ -93,6 +104,23 @@ class StepResult:
     text_tokens: torch.Tensor  # LongTensor[S]; -1 where has_output is False
     agent_codes: torch.Tensor  # LongTensor[S, 8]; -1 where has_output is False
     has_output: torch.Tensor  # BoolTensor[S]
+    next_text: torch.Tensor  # LongTensor[S]: the text token the step wrote (returned a step later); -1 if not stepped
+
+
+class TextForcing(NamedTuple):
+    """Text a step forces, per row (module doc): the token or NO_FORCE, and whether it waits for the
+    model's word start."""
+
+    tokens: torch.Tensor  # LongTensor[B]
+    gated: torch.Tensor  # BoolTensor[B]
+
+    @classmethod
+    def none(cls, rows: int, device: torch.device | str = "cpu") -> "TextForcing":
+        return cls(torch.full((rows,), NO_FORCE, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.bool, device=device))
+
+    def to(self, device: torch.device) -> "TextForcing":
+        return TextForcing(to_device(self.tokens, device), to_device(self.gated, device))
 
 
 class _VoicePrefix:
@@ -269,17 +297,19 @@ class _CompactStep:
         eng.kv.trust(self.slots)  # only ever set from distinct host slots checked by step_rows
         self.codes = torch.zeros(rows, AGENT_CODEBOOKS, dtype=torch.long, device=dev)
         self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.forced = TextForcing.none(rows, dev)
         self.dep_kv = eng.model.new_depformer_cache(rows, AGENT_CODEBOOKS)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: StepResult | None = None  # the graph's static outputs
 
     def forward(self, eng: "TalkerEngine") -> StepResult:
-        return eng._by_slot(eng._advance(self.codes, self.active, self.slots, self.dep_kv), self.slots)
+        return eng._by_slot(eng._advance(self.codes, self.active, self.forced, self.slots, self.dep_kv), self.slots)
 
     def capture(self, eng: "TalkerEngine", pool=None) -> None:
         """Capture with every row idle (no state changes), into memory `pool` (the full step's:
         steps never run at once); the warm-up run before it compiles its shapes (fused)."""
         self.active.zero_()
+        self.forced.tokens.fill_(NO_FORCE)
         side = torch.cuda.Stream(eng.device)
         side.wait_stream(torch.cuda.current_stream(eng.device))
         with torch.cuda.stream(side):
@@ -290,13 +320,20 @@ class _CompactStep:
             self.out = self.forward(eng)
         log.info("captured the compact step of %d rows as a CUDA graph", self.slots.shape[0])
 
-    def run(self, eng: "TalkerEngine", slots: torch.Tensor, codes: torch.Tensor, active: torch.Tensor) -> StepResult:
-        for buf, host in ((self.slots, slots), (self.codes, codes), (self.active, active)):
+    def run(self, eng: "TalkerEngine", slots: torch.Tensor, codes: torch.Tensor, active: torch.Tensor,
+            forced: TextForcing) -> StepResult:
+        for buf, host in ((self.slots, slots), (self.codes, codes), (self.active, active),
+                          (self.forced.tokens, forced.tokens), (self.forced.gated, forced.gated)):
             buf.copy_(to_device(host, eng.device))
         if self.graph is None:
             return self.forward(eng)
         eng._timed_replay(self.graph)
-        return StepResult(self.out.text_tokens.clone(), self.out.agent_codes.clone(), self.out.has_output.clone())
+        return _copy(self.out)
+
+
+def _copy(r: StepResult) -> StepResult:
+    """A graph's static outputs, copied before the next replay overwrites them."""
+    return StepResult(r.text_tokens.clone(), r.agent_codes.clone(), r.has_output.clone(), r.next_text.clone())
 
 
 class TalkerEngine:
@@ -353,6 +390,10 @@ class TalkerEngine:
         self.start = torch.ones(slots, dtype=torch.long, device=dev)  # first frame the model generates
         self.first_output = torch.ones(slots, dtype=torch.long, device=dev)  # first frame a step returns
         self.dep_kv = model.new_depformer_cache(slots, AGENT_CODEBOOKS)
+        # Per text id: whether the model begins a word with it (a gated TextForcing waits for one).
+        starts = tokenizer.word_starts()[: self.text_card]
+        self.word_start = torch.tensor(starts + [False] * (self.text_card - len(starts)), dtype=torch.bool,
+                                       device=dev)
         # Sampling parameters per slot (device tensors) + top-k on the host (bounds topk without a sync).
         d = SamplingParams()
         self.seed = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -473,25 +514,30 @@ class TalkerEngine:
     # ---- the frame step ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
-        """Advance exactly the active slots by one frame; inactive slots are left untouched."""
+    def step(self, user_codes: torch.Tensor, active: torch.Tensor, forced: TextForcing | None = None) -> StepResult:
+        """Advance exactly the active slots by one frame; inactive slots are left untouched. `forced`:
+        text tokens forced per slot (module doc; host tensors [S]); None forces nothing."""
         S, dev = self.num_slots, self.device
         if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (S,):
             raise ValueError(f"active must be a BoolTensor[{S}], got {getattr(active, 'shape', active)!r}")
         self._check_user_codes(user_codes, active, range(S))
+        forced = TextForcing.none(S) if forced is None else forced
+        self._check_forced(forced, S)
         self._replayed = False
         if not bool(active.any()):  # nothing to advance: skip the model entirely
-            none = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=dev)
-            return StepResult(none[:, 0], none[:, 1:], torch.zeros(S, dtype=torch.bool, device=dev))
+            none = torch.full((S, 2 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=dev)
+            return StepResult(none[:, 0], none[:, 1:-1], torch.zeros(S, dtype=torch.bool, device=dev), none[:, -1])
         if self.cuda_graph:
-            return self._replay(user_codes, active)
-        return self._advance(user_codes.to(dev, non_blocking=True), active.to(dev, non_blocking=True))
+            return self._replay(user_codes, active, forced)
+        return self._advance(user_codes.to(dev, non_blocking=True), active.to(dev, non_blocking=True),
+                             forced.to(dev))
 
     @torch.no_grad()
-    def step_rows(self, slots: list[int], user_codes: torch.Tensor, rows: int) -> StepResult:
-        """Advance exactly `slots` by one frame (user_codes[i] for slots[i]) as a step of `rows` rows,
-        one of row_buckets: a compact step whose other rows are idle slots (module doc), or step()
-        itself for rows == num_slots. The tokens and state step() gives those slots; results are
+    def step_rows(self, slots: list[int], user_codes: torch.Tensor, rows: int,
+                  forced: TextForcing | None = None) -> StepResult:
+        """Advance exactly `slots` by one frame (user_codes[i] and forced[i] for slots[i]) as a step of
+        `rows` rows, one of row_buckets: a compact step whose other rows are idle slots (module doc), or
+        step() itself for rows == num_slots. The tokens and state step() gives those slots; results are
         indexed by slot, as step()'s."""
         S = self.num_slots
         if rows not in self.row_buckets:
@@ -501,16 +547,34 @@ class TalkerEngine:
             raise ValueError(f"slots must be 1 to {rows} distinct ints in [0, {S}), got {slots!r}")
         n = len(slots)
         self._check_user_codes(user_codes, torch.ones(n, dtype=torch.bool), slots)
+        forced = TextForcing.none(n) if forced is None else forced
+        self._check_forced(forced, n)
         if rows == S:
             codes, active = torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool)
             codes[slots], active[slots] = user_codes, True
-            return self.step(codes, active)
+            full = TextForcing.none(S)
+            full.tokens[slots], full.gated[slots] = forced.tokens, forced.gated
+            return self.step(codes, active, full)
         self._replayed = False
         taken = set(slots)
         padding = [s for s in range(S) if s not in taken][: rows - n]  # distinct idle rows: left as they are
         codes = torch.cat([user_codes, torch.zeros(rows - n, AGENT_CODEBOOKS, dtype=torch.long)])
         active = torch.arange(rows) < n
-        return self._compact[rows].run(self, torch.tensor(slots + padding), codes, active)
+        idle = TextForcing.none(rows - n)
+        padded = TextForcing(torch.cat([forced.tokens, idle.tokens]), torch.cat([forced.gated, idle.gated]))
+        return self._compact[rows].run(self, torch.tensor(slots + padding), codes, active, padded)
+
+    def _check_forced(self, forced: TextForcing, rows: int) -> None:
+        """A TextForcing of `rows` host rows: tokens NO_FORCE or text ids the model emits."""
+        if (not isinstance(forced, TextForcing) or not isinstance(forced.tokens, torch.Tensor)
+                or forced.tokens.dtype != torch.long or tuple(forced.tokens.shape) != (rows,)
+                or not isinstance(forced.gated, torch.Tensor) or forced.gated.dtype != torch.bool
+                or tuple(forced.gated.shape) != (rows,)):
+            raise ValueError(f"forced must be a TextForcing of a LongTensor[{rows}] and a BoolTensor[{rows}]")
+        bad = (forced.tokens != NO_FORCE) & ((forced.tokens < 0) | (forced.tokens >= self.text_card))
+        if bool(bad.any()):
+            raise ValueError(f"forced text tokens must be {NO_FORCE} or in [0, {self.text_card}), got "
+                             f"{forced.tokens[bad].tolist()[:8]}")
 
     def _check_user_codes(self, user_codes: torch.Tensor, active: torch.Tensor, slots) -> None:
         """user_codes [B, 8] in range where active [B] holds, and slots[i] live for every active row i.
@@ -546,35 +610,39 @@ class TalkerEngine:
         end.record()
         self._replayed = True
 
-    def _replay(self, user_codes: torch.Tensor, active: torch.Tensor) -> StepResult:
+    def _replay(self, user_codes: torch.Tensor, active: torch.Tensor, forced: TextForcing) -> StepResult:
         """step() through a captured graph. Capture and its warm-up run with every slot inactive,
         which leaves all state as it was (that is what `_advance` guarantees for inactive rows)."""
         key = self.graph_top_k
         if key not in self._graphs:
             codes = torch.zeros(self.num_slots, AGENT_CODEBOOKS, dtype=torch.long, device=self.device)
             act = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+            force = TextForcing.none(self.num_slots, self.device)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._advance(codes, act)  # warm-up: lazy inits and autotuning happen outside the capture
+                self._advance(codes, act, force)  # warm-up: lazy inits and autotuning happen outside the capture
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self._advance(codes, act)
-            self._graphs[key] = (graph, codes, act, out)
+                out = self._advance(codes, act, force)
+            self._graphs[key] = (graph, codes, act, force, out)
             log.info("captured the step as a CUDA graph for top-k bounds %s (%d graphs)", key, len(self._graphs))
-        graph, codes, act, out = self._graphs[key]
+        graph, codes, act, force, out = self._graphs[key]
         codes.copy_(user_codes, non_blocking=True)
         act.copy_(active, non_blocking=True)
+        force.tokens.copy_(forced.tokens, non_blocking=True)
+        force.gated.copy_(forced.gated, non_blocking=True)
         self._timed_replay(graph)
-        return StepResult(out.text_tokens.clone(), out.agent_codes.clone(), out.has_output.clone())
+        return _copy(out)
 
-    def _advance(self, codes: torch.Tensor, act: torch.Tensor, rows: torch.Tensor | None = None,
+    def _advance(self, codes: torch.Tensor, act: torch.Tensor, forced: TextForcing, rows: torch.Tensor | None = None,
                  dep_kv=None) -> StepResult:
         """The device part of a step over B rows: every slot (rows None: row s is slot s), or the
         distinct slots `rows` (a compact step: their state is gathered into the rows and written
         back, with depformer cache `dep_kv` of batch B). Fixed shapes, no host syncs, state updated
-        in place (so it can later be captured in a CUDA graph with `codes`/`act`/`rows` as static inputs)."""
+        in place (so it can later be captured in a CUDA graph with `codes`/`act`/`forced`/`rows` as
+        static inputs)."""
         B, max_delay = act.shape[0], self.cfg.max_delay
         of = (lambda t: t) if rows is None else (lambda t: t[rows])  # a row's per-slot state (a copy for rows)
         hist = of(self.hist)  # written in place: the engine's own for every slot, else written back below
@@ -595,7 +663,7 @@ class TalkerEngine:
         text_params = self._params(self._text, self._text_k, self.text_card, of)
         audio_params = self._params(self._audio, self._audio_k, self.card, of)
         key = noise_key(of(self.seed), o)  # the session's randomness for this frame: (seed, frame index)
-        text = sample(self.model.text_logits(h), text_params, key, codebook=0)
+        text = self._force_text(sample(self.model.text_logits(h), text_params, key, codebook=0), forced)
         audio = self.model.depformer(h, text, lambda cb, logits: sample(logits, audio_params, key, 1 + cb),
                                      steps=AGENT_CODEBOOKS, dep_kv=self.dep_kv if dep_kv is None else dep_kv)
         new = torch.cat([text[:, None], audio], dim=1)  # [B, 9]: column o+1
@@ -614,16 +682,26 @@ class TalkerEngine:
         else:
             self.hist[rows] = hist
             self.offset[rows] = o + act.long()
-        return StepResult(text_tokens=out[:, 0], agent_codes=out[:, 1:], has_output=has_output)
+        return StepResult(text_tokens=out[:, 0], agent_codes=out[:, 1:], has_output=has_output,
+                          next_text=torch.where(act, text, torch.full_like(text, -1)))
+
+    def _force_text(self, sampled: torch.Tensor, forced: TextForcing) -> torch.Tensor:
+        """The text token each row writes (module doc): the sampled one where nothing is forced; the
+        forced one where it does not wait; where it waits, the model's EPAD, the forced token in place
+        of a word-starting piece, else PAD. The same ops whatever is forced: a graph holds every case."""
+        tokens, gated = forced
+        waiting = torch.where(sampled == EPAD_ID, sampled,
+                              torch.where(self.word_start[sampled], tokens, torch.full_like(tokens, PAD_ID)))
+        return torch.where(tokens == NO_FORCE, sampled, torch.where(gated, waiting, tokens))
 
     def _by_slot(self, r: StepResult, rows: torch.Tensor) -> StepResult:
         """A compact step's results (row i is slot rows[i]) indexed by slot, as step()'s."""
         S = self.num_slots
-        packed = torch.full((S, 1 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=self.device)
-        packed[rows] = torch.cat([r.text_tokens[:, None], r.agent_codes], dim=1)
+        packed = torch.full((S, 2 + AGENT_CODEBOOKS), -1, dtype=torch.long, device=self.device)
+        packed[rows] = torch.cat([r.text_tokens[:, None], r.agent_codes, r.next_text[:, None]], dim=1)
         has_output = torch.zeros(S, dtype=torch.bool, device=self.device)
         has_output[rows] = r.has_output
-        return StepResult(packed[:, 0], packed[:, 1:], has_output)
+        return StepResult(packed[:, 0], packed[:, 1:-1], has_output, packed[:, -1])
 
     @staticmethod
     def _write(hist: torch.Tensor, streams: slice, cols: torch.Tensor, values: torch.Tensor,
@@ -705,7 +783,8 @@ class TalkerEngine:
                     prefix.advance(self.context)
         if self.cuda_graph and self.graph_top_k not in self._graphs:
             S = self.num_slots
-            self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool))
+            self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool),
+                         TextForcing.none(S))
         if self.cuda_graph:
             pool = self._graphs[self.graph_top_k][0].pool()
             for c in self._compact.values():
@@ -731,13 +810,14 @@ class TalkerEngine:
         `runs` after one untimed run (which compiles its shapes under fused.enable)."""
         S, dev = self.num_slots, self.device
         if rows == S and self.cuda_graph:
-            graph, _, act, _ = self._graphs[self.graph_top_k]
+            graph, _, act, _, _ = self._graphs[self.graph_top_k]
             act.zero_()
             run = graph.replay
         elif rows == S:
             codes = torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long, device=dev)
             act = torch.zeros(S, dtype=torch.bool, device=dev)
-            run = lambda: self._advance(codes, act)  # noqa: E731
+            none = TextForcing.none(S, dev)
+            run = lambda: self._advance(codes, act, none)  # noqa: E731
         else:
             c = self._compact[rows]
             c.active.zero_()

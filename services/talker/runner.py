@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.talker.engine import NO_FRAME, StepResult
+from services.talker.engine import NO_FORCE, NO_FRAME, StepResult, TextForcing
 from services.talker.session import Session
 
 IDLE_ROW = (0,) * 8  # the codes of a slot not stepped (masked out by `active`)
@@ -54,6 +54,7 @@ class StepOutputs:
     agent_codes: list[list[int]]
     has_output: list[bool]
     text: list[str]  # the text piece of each stepped slot's token ("" without an output)
+    next_text: list[int]  # the text token each stepped slot's step wrote (-1: not stepped); say.py follows it
     device_s: float | None  # GPU time (None off a CUDA graph)
     parts: dict[str, float]  # seconds in each part on the compute thread (metrics.STEP_PARTS)
     piece: PieceResult | None  # the prefill piece that rode the step
@@ -80,10 +81,11 @@ class StepRunner:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
 
     async def step(self, frames: list[tuple[int, list[int]]], rider: Session | None = None,
-                   rows: int | None = None) -> StepOutputs:
+                   rows: int | None = None, forced: dict | None = None) -> StepOutputs:
         """One engine step over (slot, codes) pairs: a step of every slot, the others idle, or with
         `rows` a step of that many rows (engine.step_rows: a catch-up); with `rider`, one piece of its
-        prompt rides the step. Submitted before the first await."""
+        prompt rides the step; `forced`: slot -> say.Force, the text forced for stepped slots.
+        Submitted before the first await."""
         # Plain lists, then one tensor each: a torch call per session costs milliseconds per tick.
         if rows is None:
             n = self.engine.num_slots
@@ -91,11 +93,11 @@ class StepRunner:
             for slot, c in frames:
                 codes[slot], act[slot] = NO_FRAME_ROW if c is None else c, True
             codes_t, active = torch.tensor(codes, dtype=torch.long), torch.tensor(act, dtype=torch.bool)
-            run = functools.partial(self.engine.step, codes_t, active)
+            run = functools.partial(self.engine.step, codes_t, active, **_forcing(forced, range(n)))
         else:
             slots = [slot for slot, _ in frames]
             codes_t = torch.tensor([NO_FRAME_ROW if c is None else c for _, c in frames], dtype=torch.long)
-            run = functools.partial(self.engine.step_rows, slots, codes_t, rows)
+            run = functools.partial(self.engine.step_rows, slots, codes_t, rows, **_forcing(forced, slots))
         piece = (rider.job, rider.begin_args()) if rider is not None else None
         t0 = time.perf_counter()
         out = await self.call(self._step, run, t0, piece)
@@ -111,7 +113,8 @@ class StepRunner:
     def _step(self, run: Callable[[], StepResult], submitted: float, piece: tuple | None) -> StepOutputs:
         t0 = time.perf_counter()
         r = run()
-        packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.has_output[:, None].long()], dim=1)
+        packed = torch.cat([r.text_tokens[:, None], r.agent_codes, r.next_text[:, None],
+                            r.has_output[:, None].long()], dim=1)
         host, copied = self._queue_to_host(packed)
         t1 = time.perf_counter()
         ridden = self._piece(*piece, wait=False) if piece is not None else None
@@ -126,7 +129,8 @@ class StepRunner:
         text = [self.engine.text_piece(t) if has_out[i] else "" for i, t in enumerate(tokens)]
         parts = {"dispatch": t0 - submitted, "launch": t1 - t0, "prefill": t_piece - t1, "gpu_wait": t2 - t_piece,
                  "outputs": time.perf_counter() - t2}
-        return StepOutputs(tokens, [row[1:-1] for row in rows], has_out, text, device_s, parts, ridden)
+        return StepOutputs(tokens, [row[1:-2] for row in rows], has_out, text, [row[-2] for row in rows], device_s,
+                           parts, ridden)
 
     def _queue_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """t's copy into host memory, queued behind the GPU's work, and the event that marks it
@@ -159,3 +163,15 @@ class StepRunner:
         t = time.perf_counter()
         return PieceResult(job, done, error, t - t0, t_begin - t0, max(0.0, t_launch - t_begin),
                            max(0.0, t - max(t_launch, t_begin)))
+
+
+def _forcing(forced: dict | None, slots) -> dict:
+    """The engine call's `forced` argument for rows `slots` (slot -> say.Force), or no argument when
+    nothing is forced: an engine wrapper that predates forcing (the tests' shaped engines) still steps."""
+    if not forced:
+        return {}
+    tokens, gated = [NO_FORCE] * len(slots), [False] * len(slots)
+    for i, slot in enumerate(slots):
+        if (f := forced.get(slot)) is not None:
+            tokens[i], gated[i] = f.token, f.gated
+    return {"forced": TextForcing(torch.tensor(tokens, dtype=torch.long), torch.tensor(gated, dtype=torch.bool))}

@@ -9,6 +9,8 @@ One Talk stream = one session:
                                             ◀─ ready(slot, prefill_frames, prefill_ms, delay, seed)
     frame(seq, 8 codes) every 80 ms        ─▶ seq-checked, range-checked, queued on the clock
                                             ◀─ output(seq, input_seq, text, 8 agent codes) per step
+    say(id, text) / say_cancel(id)         ─▶ text forced into the model's text stream (say.py)
+                                            ◀─ say_done(id, said | cancelled) or say_refused(id, kind)
     half-close                             ─▶ remaining queued frames are stepped, then OK
 
 Frames may be sent before `ready`; they queue and count against the backlog bound
@@ -43,6 +45,7 @@ from services.common.stage_server import StageRpcs, StageRuntime, StageServer, f
 from services.talker.config import TalkerConfig
 from services.talker.metrics import TalkerMetrics
 from services.talker.clock import ConversationClock
+from services.talker.say import SayDone, SayEnd, SayError, SayQueue, SayRefused, say_words
 from services.talker.session import END, Output, PrimeRefused, Ready, Session
 from services.talker.voice_recorder import VoiceRecorder
 from services.common.frame import CARD, CODEBOOKS
@@ -133,7 +136,16 @@ def as_stage_error(e: BaseException) -> StageError:
     return Internal(f"talker engine failed: {type(e).__name__}: {e}", kind="engine")
 
 
-def to_response(item: Ready | Output | PrimeRefused) -> talker_pb2.TalkResponse:
+_SAY_ENDS = {SayEnd.SAID: talker_pb2.SAY_END_SAID, SayEnd.CANCELLED: talker_pb2.SAY_END_CANCELLED}
+
+
+def to_response(item: Ready | Output | PrimeRefused | SayDone | SayRefused) -> talker_pb2.TalkResponse:
+    if isinstance(item, SayDone):
+        return talker_pb2.TalkResponse(say_done=talker_pb2.TalkSayDone(
+            id=item.id, end=_SAY_ENDS[item.end], tokens_said=item.tokens_said, tokens_dropped=item.tokens_dropped))
+    if isinstance(item, SayRefused):
+        return talker_pb2.TalkResponse(say_refused=talker_pb2.TalkSayRefused(id=item.id, kind=item.kind,
+                                                                              details=item.details))
     if isinstance(item, PrimeRefused):
         return talker_pb2.TalkResponse(prime_refused=talker_pb2.TalkPrimeRefused(
             prime=item.prime, kind=item.kind, details=item.details))
@@ -270,9 +282,12 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
                 if kind == "prime":
                     await self._reprime(stream, req.prime)
                     continue
+                if kind in ("say", "say_cancel"):
+                    self._say(stream.session, req)
+                    continue
                 if kind != "frame":
-                    raise InvalidArgument("after `open`, every message of a Talk stream must be a `frame` or a "
-                                          "`prime`", kind="bad_message")
+                    raise InvalidArgument("after `open`, every message of a Talk stream must be a `frame`, a "
+                                          "`prime`, a `say` or a `say_cancel`", kind="bad_message")
                 handle.seq.check(req.frame.seq)
                 codes = parse_codes(req.frame)
                 self.clock.push(stream.session, req.frame.seq, codes)
@@ -286,9 +301,24 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
             log.debug("stream %s: reader ended: %r", handle.stream_id, e)
             self.clock.fail(stream.session, Internal(f"reading the stream failed: {e!r}", kind="read"))
 
+    def _say(self, s: Session, req) -> None:
+        """A say queued on the session (or refused, the session going on), or a say_cancel (say.py)."""
+        if s.say is None:
+            s.say = SayQueue(self.config.max_say_tokens, self.config.say_max_wait_frames)
+        if req.WhichOneof("kind") == "say_cancel":
+            for done in s.say.cancel(req.say_cancel.id):
+                s.outbox.put_nowait(done)
+            return
+        msg = req.say
+        try:
+            s.say.add(msg.id, say_words(self.clock.engine.tokenizer, msg.text, self.config.max_say_chars))
+        except SayError as e:
+            s.outbox.put_nowait(SayRefused(msg.id, e.kind, str(e)))
+
     async def _reprime(self, stream: "TalkStream", msg) -> None:
         """A prime: the prompt redone in the same slot with new settings (clock.reprime). What the
-        old session's outbox still holds (its Ready at most: no frame was sent) is dropped."""
+        old session's outbox still holds (its Ready at most: no frame was sent) is dropped, but for
+        answers to says, which move to the new session's with its say queue."""
         if stream.session.received:  # checked before a voice is recorded for nothing
             raise FailedPrecondition("a prime must come before the first frame", kind="prime_after_audio")
         try:
@@ -300,8 +330,11 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
         old = stream.session
         stream.session = self.clock.reprime(old, msg.prime, prompt.voice, prompt.persona, prompt.sampling,
                                             prompt.seed)
+        stream.session.say = old.say  # queued says outlive the prompt they were sent under (none said yet)
         while not old.outbox.empty():
-            old.outbox.get_nowait()
+            item = old.outbox.get_nowait()
+            if isinstance(item, (SayDone, SayRefused)):  # a say's answer is the stream's, not the prompt's
+                stream.session.outbox.put_nowait(item)
         old.outbox.put_nowait(REPRIMED)
 
 

@@ -70,6 +70,7 @@ class Session:
     prefill_started: float = 0.0
     last_input_at: float = float("-inf")  # loop time of its latest input frame
     pieces_ms: list = field(default_factory=list)  # per prefill piece: (total, begin, launch, device wait) ms
+    say: object = None  # say.SayQueue from its first TalkSay: the text its steps force (the clock passes it)
 
     @property
     def waiting_for_prompt(self) -> bool:

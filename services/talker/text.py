@@ -4,9 +4,16 @@ Ids 0..3 are special in PersonaPlex: 0 end-pad (also unk), 1 BOS, 2 EOS, 3 PAD. 
 emits PAD (3) on most frames; only real pieces become transcript text. The persona prompt is
 wrapped in `<system>` tags, which the tokenizer keeps as one piece.
 
+The text stream's rules while the model speaks (as its training data is laid out, Kyutai's
+interleaver): each word is tokenized alone and its tokens sit on consecutive frames from the
+frame the word starts; PAD fills the frames after it until the next word; the frame just before
+a word's first token is EPAD (0) when it would have been PAD. A word's first piece carries the
+word mark, so `word_starts()` tells where a word may begin.
+
     tok = TextTokenizer.load(paths.tokenizer)
     tok.encode_persona("You are kind.")   # [<system>, ..., <system>] ids, no BOS/EOS
     tok.piece(1234)                        # " hello" (word mark -> space), "" for 0..3
+    tok.encode_words("Hello there")        # [[ids of "Hello"], [ids of "there"]]: what a say forces
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+EPAD_ID = 0  # end of padding: the frame before a word's first token, when the model padded before it
 PAD_ID = 3
 NUM_SPECIAL = 4  # ids 0..3: end-pad/unk, BOS, EOS, PAD
 SYSTEM_TAG = "<system>"
@@ -61,6 +69,21 @@ class TextTokenizer:
         except UnicodeEncodeError as e:
             raise InvalidText(f"text is not valid Unicode: {e.reason}") from None
         return list(self.sp.EncodeAsIds(text))
+
+    def encode_words(self, text: str) -> list[list[int]]:
+        """Each whitespace-separated word's ids, tokenized alone (the text stream's rule, module doc).
+        Ids that carry no text (unknown pieces: id 0 is also EPAD; specials) are dropped, and so is a
+        word left with no text but its word mark."""
+        words = []
+        for word in text.split():
+            ids = [i for i in self.encode(word) if 0 <= i < self.vocab_size and self._pieces[i]]
+            if "".join(self._pieces[i] for i in ids).strip():
+                words.append(ids)
+        return words
+
+    def word_starts(self) -> list[bool]:
+        """Per id: whether the model begins a word with it (EPAD, or a piece carrying the word mark)."""
+        return [i == EPAD_ID or self._pieces[i].startswith(" ") for i in range(self.vocab_size)]
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.DecodeIds([i for i in ids if i >= NUM_SPECIAL])
