@@ -56,12 +56,17 @@ def sha(audio: bytes) -> str:
 
 
 def metric(talker, name: str, **labels) -> float:
-    _, body = http_get(talker.metrics_url)
+    return metric_at(talker.metrics_url, name, **labels)
+
+
+def metric_at(url: str, name: str, **labels) -> float:
+    """One sample of a /metrics page (labels in their exported order)."""
+    _, body = http_get(url)
     want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
     for line in body.decode().splitlines():
         if line.startswith(name + want + " "):
             return float(line.split()[-1])
-    raise AssertionError(f"{name}{want} not in the talker's /metrics")
+    raise AssertionError(f"{name}{want} not in {url}")
 
 
 def recordings(talker) -> tuple[int, float]:
