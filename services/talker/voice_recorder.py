@@ -46,7 +46,7 @@ from services.talker import prompt
 from services.talker.recording_files import RecordingFiles
 from services.talker.recording_store import ForgetOutcome, Holding, RecordingStore, StoreFull
 from services.talker.voice_encoder import VoiceEncoder, voice_codes
-from services.talker.voices import VoicePrompt
+from services.talker.voices import RING, VoicePrompt
 
 log = logging.getLogger("talker.voices")
 
@@ -120,7 +120,6 @@ class VoiceRecorder:
         """compute(fn): run fn on the engine's thread and return its result (ConversationClock.compute).
         metrics: TalkerMetrics (its voice counters), or None."""
         self.paths, self.engine, self.compute = paths, engine, compute
-        self.cache_dir = Path(cache_dir)
         self.max_seconds = max_seconds
         self.encoder = VoiceEncoder(paths)
         self.store = RecordingStore(memory_bytes)
@@ -161,7 +160,7 @@ class VoiceRecorder:
         """What a recording of `frames` voice frames holds: bf16 embeddings on the host and, once a session
         begins with it, its KV prefix on the device (engine._VoicePrefix: one position per embedding)."""
         positions = max(1, frames - 1)
-        cache = self.engine.cfg.num_streams * 4 * 8  # the token ring (LongTensor[17, 4])
+        cache = self.engine.cfg.num_streams * RING * 8  # the token ring (LongTensor[17, RING])
         return positions * self.engine.cfg.dim * 2 + cache + min(positions, self.engine.context) * \
             self._kv_bytes_per_frame
 
