@@ -237,6 +237,20 @@ def test_session_rpcs_need_the_link_token_the_gateway_presents(stack, talker, fe
     feeder.check_alive(2)
 
 
+def test_forget_voice_needs_the_link_token(talker):
+    """ForgetVoice changes what the talker holds, so it is a guarded RPC like Talk: UNAUTHENTICATED
+    without the token (and before its digest is looked at); with it, a digest nothing was recorded for
+    is NOT_HELD."""
+    forget = talker_pb2.ForgetVoiceRequest(audio_sha256="ab" * 32)
+    with grpc.insecure_channel(talker.address) as ch:
+        stub = talker_pb2_grpc.TalkerStub(ch)
+        for metadata in [(), (("authorization", "Bearer wrong"),)]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ForgetVoice(forget, metadata=metadata, timeout=10)
+            assert status_of(e.value) == (grpc.StatusCode.UNAUTHENTICATED, "bad_link_token")
+        assert stub.ForgetVoice(forget, metadata=AUTH, timeout=10).outcome == talker_pb2.FORGET_OUTCOME_NOT_HELD
+
+
 # ---- #7: a message of a million tiny entries ----------------------------------------------------
 
 def test_a_link_message_of_a_million_tiny_entries_is_refused_before_it_is_parsed(stack, talker, untouched):
@@ -411,7 +425,7 @@ def test_recording_a_voice_never_delays_a_bystanders_ticks(stack, talker, untouc
     assert recorders and child_cpu_s > 1.0
     assert responses[0].WhichOneof("kind") == "ready" and responses[0].ready.prefill_frames > 750
     assert sum(r.WhichOneof("kind") == "output" for r in responses) == 4
-    check.check(rss_bound_mb=120)  # the voice's KV prefix and recording stay in the talker (LRU of 16 voices)
+    check.check(rss_bound_mb=120)  # the voice's KV prefix and recording stay in the talker (voice_memory_bytes)
 
 
 def test_recordings_waiting_at_once_are_bounded(talker, paced):

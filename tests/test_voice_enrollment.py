@@ -1,9 +1,11 @@
 """Voice enrollment on the gateway (services/gateway/voices.py) against the real local stack: auth, size
 and duration caps, hostile names, bad audio, concurrent uploads of one name, delete while a session
-uses the voice, and the enrolled voice in use from the Realtime wire and from /api/chat.
+uses the voice, the enrolled voice in use from the Realtime wire and from /api/chat, and the talkers'
+recordings pruned by a DELETE or a replacing PUT (services/gateway/recordings.py), a talker that
+cannot be reached included.
 
 One stack (one cell of two sessions) with --voice-upload and an API key; a second gateway on the
-same cell without --voice-upload.
+same cell without --voice-upload, and a third that also knows two cells whose talkers never answer.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ import json
 import socket
 import time
 import wave
+from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import sphn
 from websockets.asyncio.client import connect
 
+from duplex.v1 import talker_pb2_grpc
 from services.gateway.config import GatewayConfig
 from tests.realtime_client import FRAME, RT, SR, pcm16_b64, tone
+from tests.test_voice_forget import Talk, metric, metric_at
+from tools.procs import free_port
 from tools.run_stack import GatewayProcess, Stack
 
 KEY = "enroll-key-1"
@@ -207,3 +214,107 @@ async def test_without_voice_upload_the_routes_refuse_and_the_list_still_answers
         gw.stop()
     with pytest.raises(SystemExit):  # upload without an API key is a configuration error
         GatewayConfig.from_args(["--voice-upload", "--api-key-env", "NO_SUCH_KEY_VAR"])
+
+
+# ---- the talkers' recordings of a deleted voice -------------------------------------------------
+
+def recordings_held(stack) -> int:
+    return int(metric(stack.cell_procs[0].talker, "duplex_talker_voice_recordings"))
+
+
+def recording_files(stack) -> int:
+    args = stack.talker_args
+    return len(list(Path(args[args.index("--voice-cache-dir") + 1]).glob("enrolled-*.pt")))
+
+
+async def talk_with(gw, voice: str, frames: int = 6) -> None:
+    """A short Realtime session with `voice`: its talker records the voice's audio (if it has not)."""
+    rt = await RT.connect(gw.ws_url, headers=AUTH)
+    created = await rt.open(voice=voice, instructions="Hi.")
+    assert created["type"] == "session.created", created
+    x = tone(frames)
+    for i in range(frames):
+        await rt.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[i * FRAME:(i + 1) * FRAME])})
+        await asyncio.sleep(0.08)
+    assert await rt.wait_frames(2) >= 2
+    await rt.close()
+
+
+async def test_delete_and_replace_prune_the_talkers_recording_of_the_voice(stack):
+    """A session records the enrolled voice on the talker (a recording in memory, a file on disk). A PUT
+    that replaces the voice makes the talker forget the old audio's recording; a DELETE forgets the
+    new one's and its answer says so for each talker ("forgotten", or "not_held" where none was
+    made). Enrolled and used again, the voice is recorded again."""
+    gw, talker = stack.gateway, stack.cell_procs[0].talker
+    assert (await call(gw, "PUT", "/v1/voices/gina", wav_bytes(2.0, seed=7)))[0] == 201
+    held0, files0 = recordings_held(stack), recording_files(stack)
+    await talk_with(gw, "gina")
+    assert (recordings_held(stack), recording_files(stack)) == (held0 + 1, files0 + 1)
+    assert (await call(gw, "PUT", "/v1/voices/gina", wav_bytes(2.4, seed=8)))[0] == 200  # replaced
+    assert (recordings_held(stack), recording_files(stack)) == (held0, files0)
+    await talk_with(gw, "gina")
+    assert recordings_held(stack) == held0 + 1
+    status, reply = await call(gw, "DELETE", "/v1/voices/gina")
+    assert status == 200 and reply == {"name": "gina", "deleted": True,
+                                       "recordings": [{"talker": talker.address, "outcome": "forgotten"}]}
+    assert (recordings_held(stack), recording_files(stack)) == (held0, files0)
+    assert (await call(gw, "PUT", "/v1/voices/gina", wav_bytes(2.4, seed=8)))[0] == 201  # the same audio again
+    await talk_with(gw, "gina")
+    assert (recordings_held(stack), recording_files(stack)) == (held0 + 1, files0 + 1)  # recorded again
+    status, reply = await call(gw, "DELETE", "/v1/voices/gina")
+    assert reply["recordings"] == [{"talker": talker.address, "outcome": "forgotten"}]
+    assert (await call(gw, "PUT", "/v1/voices/gina", wav_bytes(2.0, seed=9)))[0] == 201
+    status, reply = await call(gw, "DELETE", "/v1/voices/gina")  # never used: nothing was recorded
+    assert reply["recordings"] == [{"talker": talker.address, "outcome": "not_held"}]
+
+
+async def test_a_voice_deleted_while_a_session_starts_with_it_keeps_its_recording_until_the_prompt_is_in(stack):
+    """A session that has shipped the voice's audio but whose prompt is not in its slot yet (a held open,
+    as an SDK's early connect makes) keeps the recording through a DELETE: the answer is "deferred",
+    the session's prompt then starts and it talks, and the recording goes at its ready."""
+    gw, talker = stack.gateway, stack.cell_procs[0].talker
+    assert (await call(gw, "PUT", "/v1/voices/hank", wav_bytes(2.2, seed=10)))[0] == 201
+    audio = (stack_voices_dir(stack) / "hank.f32").read_bytes()  # what the gateway ships with an open
+    with grpc.insecure_channel(talker.address) as ch:
+        held = Talk(talker_pb2_grpc.TalkerStub(ch), "starting-with-hank", audio, hold_ms=20_000)
+        assert await asyncio.to_thread(held.first) == "held"
+        before = recordings_held(stack)
+        status, reply = await call(gw, "DELETE", "/v1/voices/hank")
+        assert status == 200 and reply["recordings"] == [{"talker": talker.address, "outcome": "deferred"}]
+        assert recordings_held(stack) == before
+        assert await asyncio.to_thread(held.talk, 4) == ["ready"] + ["output"] * 4
+    deadline = time.monotonic() + 10
+    while recordings_held(stack) != before - 1:
+        assert time.monotonic() < deadline, "the recording outlived its last session's ready"
+        await asyncio.sleep(0.05)
+
+
+async def test_delete_answers_within_its_deadline_and_names_the_talkers_it_could_not_reach(stack):
+    """A gateway that knows three cells: the stack's, one whose talker port has nothing listening, and
+    one whose talker accepts TCP and never answers. A DELETE still answers 200 (the name is gone)
+    within the forget deadline (1 s here), naming each talker's outcome: "unreachable" and
+    "timed_out" for the two, counted in gateway_voice_forgets_total{outcome}."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
+    dead_talker, silent_talker = f"127.0.0.1:{free_port()}", f"127.0.0.1:{silent.getsockname()[1]}"
+    bogus = [f"127.0.0.1:{free_port()},{t},127.0.0.1:{free_port()}" for t in (dead_talker, silent_talker)]
+    args = GATEWAY_ARGS + ["--voice-upload", "--voices-dir", str(stack_voices_dir(stack)), "--api-key-env",
+                           "TEST_GW_KEY", "--voice-forget-timeout-s", "1"]
+    gw = GatewayProcess(";".join([stack.cell_procs[0].spec, *bogus]), args=args, env={"TEST_GW_KEY": KEY}).start()
+    try:
+        assert (await call(gw, "PUT", "/v1/voices/ivy", wav_bytes(2.0, seed=11)))[0] == 201
+        t0 = time.monotonic()
+        status, reply = await call(gw, "DELETE", "/v1/voices/ivy")
+        took = time.monotonic() - t0
+        assert status == 200 and reply["deleted"] is True
+        assert {r["talker"]: r["outcome"] for r in reply["recordings"]} == {
+            stack.cell_procs[0].talker.address: "not_held", dead_talker: "unreachable", silent_talker: "timed_out"}
+        assert took < 2.5, took
+        url = gw.http_url + "/metrics"
+        for outcome in ("not_held", "unreachable", "timed_out"):
+            assert metric_at(url, "gateway_voice_forgets_total", outcome=outcome) == 1
+        assert (await call(gw, "DELETE", "/v1/voices/ivy"))[0] == 404
+    finally:
+        gw.stop()
+        silent.close()

@@ -150,7 +150,7 @@ async def test_the_talker_records_a_voice_once_and_the_recording_equals_the_offl
     assert "Alice.wav" in mine.voice_names()
     eng = TalkerEngine.from_checkpoint(mine, slots=2)
     recorder = VoiceRecorder(mine, eng, inline, tmp_path / "cache")
-    assert await recorder.resolve("Alice.wav") == "Alice.wav"
+    assert (await recorder.resolve("Alice.wav")).key == "Alice.wav"
     assert recorder.encoder.encodes == 1
     recorder.close()
     cached = list((tmp_path / "cache").glob("*.pt"))
@@ -164,13 +164,20 @@ async def test_the_talker_records_a_voice_once_and_the_recording_equals_the_offl
     job = eng.begin(0, "Alice.wav", "Hi.", GREEDY)
     assert job.prompt_frames == b["embeddings"].shape[0] + 1 + 12 + len(eng.tokenizer.encode_persona("Hi."))
 
-    # the same audio shipped with an open: its own key, the same recording, read from the disk cache
+    # the same audio shipped with an open: its own key and its own file (enrolled recordings are bounded and
+    # forgotten apart from the bundled ones), the same recording; a second talker reads it from the disk cache
+    pcm = voice_audio.read_audio(ckpt / "voices" / "Alice.wav")
+    lease = await recorder.resolve("alice", pcm)
+    assert lease.key.startswith("@") and recorder.encoder.encodes == 2
+    recorder.close()
+    enrolled = list((tmp_path / "cache").glob("enrolled-*.pt"))
+    assert len(enrolled) == 1 and len(list((tmp_path / "cache").glob("*.pt"))) == 2
+    c = torch.load(enrolled[0], weights_only=True)
+    assert torch.equal(c["embeddings"], b["embeddings"]) and torch.equal(c["cache"], b["cache"])
     fresh = TalkerEngine.from_checkpoint(mine, slots=2)
     again = VoiceRecorder(mine, fresh, inline, tmp_path / "cache")
-    pcm = voice_audio.read_audio(ckpt / "voices" / "Alice.wav")
-    key = await again.resolve("alice", pcm)
-    assert key.startswith("@") and again.encoder.encodes == 0  # no recording: the cache had it
-    assert len(list((tmp_path / "cache").glob("*.pt"))) == 1
+    key = (await again.resolve("alice", pcm)).key
+    assert key == lease.key and again.encoder.encodes == 0  # no recording: the cache had it
     assert fresh.begin(1, key, "Hi.", GREEDY).prompt_frames == job.prompt_frames
 
 

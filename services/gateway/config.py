@@ -224,6 +224,8 @@ class GatewayConfig:
     max_voices: int = option(64, help="enrolled voices in --voices-dir; more get 409 voice_limit_reached")
     voices_total_bytes: int = option(256 * 1024 * 1024, help="bytes of enrolled audio (24 kHz float32) in "
                                                              "--voices-dir; more get 409 voice_limit_reached")
+    voice_forget_timeout_s: float = option(2.0, help="how long a DELETE (or replacing PUT) waits for each talker "
+                                                     "to forget the voice's recording")
 
     def __post_init__(self) -> None:
         if not self.cells and not self.cells_dns:
@@ -232,7 +234,7 @@ class GatewayConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         for name in ("poll_interval_s", "poll_timeout_s", "dns_refresh_s", "open_timeout_s", "cleanup_timeout_s",
                      "stall_timeout_s", "client_secret_ttl_s", "send_timeout_s", "close_timeout_s",
-                     "request_timeout_s"):
+                     "request_timeout_s", "voice_forget_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("admission_wait_s", "idle_connection_timeout_s", "idle_session_timeout_s", "send_buffer_bytes",

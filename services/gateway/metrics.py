@@ -13,6 +13,8 @@
     gateway_cell_free_slots{cell} / gateway_cell_serving{cell}   gauges from the last capacity poll
     gateway_worker_websockets_open{worker}          gauge: WebSocket connections a worker holds now
     gateway_worker_websockets_total{worker}         counter: WebSocket connections a worker took
+    gateway_voice_forgets_total{outcome}            counter: talkers asked to forget a deleted or replaced voice's
+                                                    recording, by outcome (recordings.Pruned)
 
 With `--workers N` (N > 1) every worker writes its values to files in one directory
 (prometheus_client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR set by the supervisor) and
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from services.gateway.recordings import Pruned
 
 LATENCY_BUCKETS = (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 
@@ -60,6 +64,10 @@ class GatewayMetrics:
                                            registry=r)
         self.client_aborts = Counter("gateway_client_aborts_total", "Client sockets aborted (client_connection.py)",
                                      ["reason"], registry=r)
+        self.voice_forgets = Counter("gateway_voice_forgets_total", "Talkers asked to forget a deleted or replaced "
+                                     "voice's recording, by outcome", ["outcome"], registry=r)
+        for outcome in Pruned:
+            self.voice_forgets.labels(outcome.value)
         recent = "livemostrecent"
         self.cell_free = Gauge("gateway_cell_free_slots", "Free session slots per cell (last poll)", ["cell"],
                                registry=r, multiprocess_mode=recent)

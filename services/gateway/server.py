@@ -77,7 +77,7 @@ class Gateway:
         self._listen_socket = listen_socket
         self.metrics = GatewayMetrics(worker, metrics_dir)
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
-        self.voices = Voices(config, self.pool)
+        self.voices = Voices(config, self.pool, self.metrics)
         self.releases = Releases()
         self.tls = tls.server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         self.secrets = auth.ClientSecrets(config.api_key, config.client_secret_ttl_s, config.client_secret_rate,

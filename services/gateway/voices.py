@@ -6,7 +6,8 @@
                                and ?after=NAME (the previous page's last_id) page through it
     PUT    /v1/voices/NAME     body: an audio file sphn reads (wav, flac, mp3, ogg): enrolls NAME (201)
                                or replaces it (200)
-    DELETE /v1/voices/NAME     forgets NAME (200)
+    DELETE /v1/voices/NAME     forgets NAME, and the talkers' recordings of its audio (200):
+                               {"name", "deleted": true, "recordings": [{"talker", "outcome"}]}
 
 PUT and DELETE exist only with --voice-upload, which needs the gateway's API key (Bearer); GET is
 open, like the page. Names are [A-Za-z0-9_-]{1,64} (services/common/voice_names.py). A name may not
@@ -29,9 +30,18 @@ to a temporary file and renamed under a lock on DIR itself (the caps are checked
 half-written voice is never visible, and of two uploads of one name the later rename wins whole.
 The gateway's workers share DIR; gateways on several hosts share it as a volume. A session's open
 reads the file and ships the samples to the talker (TalkOpen.voice_audio), so every cell can use
-every enrolled voice, and a voice deleted while sessions use it only stops new sessions: the
-talker keeps its own recording (its memory and disk cache, keyed by a digest of the samples; the
-talker has no call to forget one yet, so a DELETE cannot prune it).
+every enrolled voice, and a voice deleted while sessions use it only stops new sessions.
+
+Recordings. Each talker records a voice's audio once and keeps the recording (memory and disk
+cache, each bounded in bytes, keyed by the samples' sha256). A DELETE, and a PUT that replaces a
+voice, then asks every talker it knows to forget the old audio's recording (recordings.py:
+ForgetVoice, within voice_forget_timeout_s each). The DELETE answers 200 whatever the talkers
+say, since the name is gone either way, and lists each talker's outcome: "forgotten",
+"deferred" (a session starting with it keeps it until its prompt is in its slot; sessions
+already talking never read it again), "not_held", or, unconfirmed, "unreachable", "timed_out",
+"refused". An unconfirmed talker keeps the recording until its own bounds evict it
+(gateway_voice_forgets_total{outcome} counts each). The same audio enrolled under two names
+shares one recording: deleting one name makes the other's next session record it again.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from services.common import audio_sandbox, voice_audio, voice_names
 from services.gateway import auth
 from services.gateway.http_requests import error_response as _error
 from services.gateway.http_requests import json_response as _json
+from services.gateway.recordings import Pruned, audio_sha256, forget_everywhere
 
 log = logging.getLogger("gateway.voices")
 
@@ -88,8 +99,9 @@ class VoiceStore:
         except FileNotFoundError:
             return None
 
-    def write(self, name: str, pcm: np.ndarray) -> bool:
-        """Store (atomically, within the caps); True if the name is new. VoiceLimit past a cap."""
+    def write(self, name: str, pcm: np.ndarray) -> bytes | None:
+        """Store (atomically, within the caps); the audio it replaced, or None if the name is new.
+        VoiceLimit past a cap."""
         data = pcm.astype("<f4").tobytes()
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".upload-", suffix=SUFFIX)
         try:
@@ -103,8 +115,9 @@ class VoiceStore:
                     raise VoiceLimit(f"at most {self.max_voices} voices and {self.max_bytes} bytes of audio are kept "
                                      f"(now {len(sizes) - new} voices, {sum(sizes.values()) - len(data)} bytes "
                                      f"without this one): delete one first")
+                old = None if new else self.read(name)
                 os.replace(tmp, self._path(name))
-            return new
+            return old
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -133,12 +146,13 @@ class VoiceStore:
                     pass
         return out
 
-    def delete(self, name: str) -> bool:
-        try:
-            self._path(name).unlink()
-            return True
-        except FileNotFoundError:
-            return False
+    def delete(self, name: str) -> bytes | None:
+        """Remove a voice; its audio (for the talkers' recordings to be forgotten), or None if there was none."""
+        with self._locked():  # read and removed together: a PUT of the name waits, then writes anew
+            audio = self.read(name)
+            if audio is not None:
+                self._path(name).unlink(missing_ok=True)
+            return audio
 
     def list(self) -> list[tuple[str, float]]:
         """(name, seconds) of every voice, by name."""
@@ -148,8 +162,9 @@ class VoiceStore:
 class Voices:
     """The /v1/voices routes and the enrolled audio a session's open ships (`for_open`)."""
 
-    def __init__(self, config, pool):
-        self.cfg, self.pool = config, pool
+    def __init__(self, config, pool, metrics=None):
+        """metrics: GatewayMetrics (its voice_forgets counter), or None."""
+        self.cfg, self.pool, self.metrics = config, pool, metrics
         self.upload = bool(config.voice_upload)
         if self.upload and not config.api_key:
             raise ValueError("voice upload needs the gateway's API key (enrollment is never open to anyone)")
@@ -226,11 +241,22 @@ class Voices:
         if refusal is not None:
             return refusal
         if method == "DELETE":
-            if not await asyncio.to_thread(self.store.delete, name):
+            audio = await asyncio.to_thread(self.store.delete, name)
+            if audio is None:
                 return _error(404, "voice_not_found", f"no enrolled voice {name!r}")
-            log.info("voice %s deleted", name)
-            return _json(200, {"name": name, "deleted": True})
+            pruned = await self._forget_recordings(audio)
+            log.info("voice %s deleted (talkers: %s)", name, ", ".join(f"{t} {o.value}" for t, o in pruned.items()))
+            return _json(200, {"name": name, "deleted": True,
+                               "recordings": [{"talker": t, "outcome": o.value} for t, o in sorted(pruned.items())]})
         return await self._enroll(name, request)
+
+    async def _forget_recordings(self, audio: bytes) -> dict[str, Pruned]:
+        """Every known talker forgets its recording of `audio` (recordings.py); each talker's outcome."""
+        pruned = await forget_everywhere(list(self.pool.cells.values()), audio, self.cfg.voice_forget_timeout_s)
+        if self.metrics is not None:
+            for outcome in pruned.values():
+                self.metrics.voice_forgets.labels(outcome.value).inc()
+        return pruned
 
     async def _enroll(self, name: str, request: Request) -> Response:
         body = getattr(request, "body", None)  # the request parser read it (before_body said yes)
@@ -246,12 +272,14 @@ class Voices:
         except voice_audio.InvalidVoiceAudio as e:
             return _error(413 if e.kind == "too_long" else 400, e.kind, str(e))
         try:
-            created = await asyncio.to_thread(self.store.write, name, pcm)
+            replaced = await asyncio.to_thread(self.store.write, name, pcm)
         except VoiceLimit as e:
             return _error(409, "voice_limit_reached", str(e))
         seconds = round(pcm.size / voice_audio.SAMPLE_RATE, 2)
-        log.info("voice %s %s: %.2f s", name, "enrolled" if created else "replaced", seconds)
-        return _json(201 if created else 200, {"name": name, "kind": "enrolled", "seconds": seconds})
+        log.info("voice %s %s: %.2f s", name, "enrolled" if replaced is None else "replaced", seconds)
+        if replaced is not None and audio_sha256(replaced) != audio_sha256(pcm.astype("<f4").tobytes()):
+            await self._forget_recordings(replaced)  # the old audio's: no session ships it again
+        return _json(201 if replaced is None else 200, {"name": name, "kind": "enrolled", "seconds": seconds})
 
     async def _list(self, query: dict[str, str]) -> Response:
         limit_text, after = query.get("limit", str(MAX_PAGE)), query.get("after", "")

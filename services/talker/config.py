@@ -79,6 +79,13 @@ class TalkerConfig(StageConfig):
                                                           "say_queue_full)")
     say_max_wait_frames: int = option(say.MAX_WAIT_FRAMES, help="frames a said word waits for the model to "
                                                                 "start a word before it is forced")
+    # Recordings of enrolled voices (audio shipped with opens; services/talker/recording_store.py): each holds
+    # its embeddings and, once used, its KV prefix on the device (about 0.27 MB per frame at full size, fp8:
+    # 1 GiB is about 5 min of voices). Least recently used evicted first; bundled voices are not counted.
+    voice_memory_bytes: int = option(1 << 30, help="bytes of recorded enrolled voices held in memory (host and "
+                                                   "device); at least one max_voice_seconds voice")
+    voice_cache_bytes: int = option(2 << 30, help="bytes of recorded enrolled voices kept in voice_cache_dir "
+                                                  "(least recently used removed first)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,6 +121,9 @@ class TalkerConfig(StageConfig):
             raise ValueError(f"prefill_chunk_frames must be >= 1, got {self.prefill_chunk_frames}")
         if not 0.5 <= self.max_voice_seconds <= 600.0:
             raise ValueError(f"max_voice_seconds must be in [0.5, 600], got {self.max_voice_seconds}")
+        if self.voice_memory_bytes < 1 or self.voice_cache_bytes < 1:
+            raise ValueError(f"voice_memory_bytes and voice_cache_bytes must be >= 1, got {self.voice_memory_bytes} "
+                             f"and {self.voice_cache_bytes}")
         if self.max_persona_chars < 1:
             raise ValueError(f"max_persona_chars must be >= 1, got {self.max_persona_chars}")
         if self.max_say_chars < 1 or self.max_say_tokens < 1 or self.say_max_wait_frames < 0:

@@ -406,11 +406,9 @@ class TalkerEngine:
         self._audio_k = [d.audio_top_k] * slots
         self._live = [False] * slots
         self._jobs: list[PrefillJob | None] = [None] * slots
+        # Voices by name: bundled files once loaded, and voices recorded from audio (add_voice), which stay
+        # until forget_voice (their bound in bytes is the recorder's: services/talker/recording_store.py).
         self._voice_files: dict[str, VoicePrompt] = dict(voices or {})
-        # Voices recorded from audio (add_voice), least recently used first; at most max_added_voices
-        # are kept (each holds its KV prefix on the device once used).
-        self._added: list[str] = []
-        self.max_added_voices = 16
         if cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
         self.cuda_graph = cuda_graph
@@ -878,9 +876,6 @@ class TalkerEngine:
     def _voice_prefix(self, name: str) -> _VoicePrefix:
         if not isinstance(name, str):
             raise InvalidVoice(f"voice must be a bundled basename string, got {type(name).__name__}")
-        if name in self._added:  # most recently used last
-            self._added.remove(name)
-            self._added.append(name)
         if name not in self._voice_files:
             if voice_names.is_bundled(name) and voice_names.is_audio(name):
                 raise InvalidVoice(f"voice {name[:80]!r} is not recorded on this talker (audio voices are recorded "
@@ -896,18 +891,16 @@ class TalkerEngine:
         return self._voice_kv[name]
 
     def add_voice(self, key: str, voice: VoicePrompt) -> None:
-        """Make a voice recorded from audio available to begin() as `key` (call on the engine's thread).
-        Beyond max_added_voices the least recently begun one is forgotten; a prefill already running
-        with it keeps its own reference, so no session notices."""
-        if key in self._added:
-            self._added.remove(key)
-        self._added.append(key)
+        """Make a voice recorded from audio available to begin() as `key` (call on the engine's thread),
+        until forget_voice(key). The caller bounds how many it adds (voice_recorder.py)."""
         self._voice_files[key] = voice
         self._voice_kv.pop(key, None)  # a new recording under an old key: its KV is computed afresh
-        while len(self._added) > self.max_added_voices:
-            old = self._added.pop(0)
-            self._voice_files.pop(old, None)
-            self._voice_kv.pop(old, None)
+
+    def forget_voice(self, key: str) -> None:
+        """Drop a voice added by add_voice, and its KV prefix (call on the engine's thread). A prefill
+        already running with it keeps its own reference, so its session does not notice."""
+        self._voice_files.pop(key, None)
+        self._voice_kv.pop(key, None)
 
     def has_voice(self, key: str) -> bool:
         """Whether begin() can use `key` without reading a file (added, preloaded or loaded already)."""

@@ -73,6 +73,11 @@ class KVCache:
     def device(self) -> torch.device:
         return self.k.device
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Device bytes one slot's position holds, values and scales (a voice prefix of n frames: n times this)."""
+        return sum(t.numel() * t.element_size() for t in self._stores()) // (self.slots * self.context)
+
     def reset(self, slot: int) -> None:
         """Forget a slot's history. Its keys/values are zeroed too, so nothing a previous session
         left there (even a non-finite value) can leak into the next one through masked attention."""

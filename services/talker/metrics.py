@@ -20,6 +20,11 @@
                                           open, plus one per re-prime
     duplex_talker_prefill_busy_refusals_total  counter: opens refused because the prompt would wait too long
     duplex_talker_prefill_wait_estimate_seconds  gauge: how long a prompt opened now would wait (prefill_queue.py)
+    duplex_talker_voice_recordings        gauge: recordings of enrolled voices held in memory (recording_store.py)
+    duplex_talker_voice_recording_bytes   gauge: their bytes (host embeddings + device KV prefix), within
+                                          voice_memory_bytes
+    duplex_talker_voice_evictions_total   counter: recordings evicted from memory to make room for another
+    duplex_talker_voice_forgets_total{outcome}  counter: ForgetVoice calls, by outcome (FORGET_OUTCOMES)
 
 Active streams and free slots are the common `duplex_stage_active_streams` /
 `duplex_stage_free_slots` gauges; step time and batch size are `duplex_stage_step_seconds`
@@ -31,6 +36,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import StageMetrics
+from services.talker.recording_store import ForgetOutcome
 
 # Dense under the 80 ms period: the interesting question is how much of it a tick uses.
 TICK_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.010, 0.015, 0.020, 0.025, 0.030, 0.040, 0.050, 0.060,
@@ -55,6 +61,9 @@ PIECE_PLACES = ("step", "alone")
 # a re-prime of a session that had begun one.
 PROMPT_STARTS = ("open", "prime", "frame", "hold_ended", "reprime")
 STEP_PARTS = ("dispatch", "launch", "prefill", "gpu_wait", "outputs", "loop_resume")
+# What a ForgetVoice did: dropped the recording now, when its starting sessions are in their slots, or
+# found none.
+FORGET_OUTCOMES = tuple(o.value for o in ForgetOutcome)
 
 
 class TalkerMetrics:
@@ -120,6 +129,23 @@ class TalkerMetrics:
         self.prefill_wait_estimate = Gauge("duplex_talker_prefill_wait_estimate_seconds",
                                            "How long the prompt of a session opened now would wait in the prefill "
                                            "queue (estimate)", registry=r)
+
+        self.voice_recordings = Gauge("duplex_talker_voice_recordings",
+                                      "Recordings of enrolled voices held in memory", registry=r)
+        self.voice_recording_bytes = Gauge("duplex_talker_voice_recording_bytes",
+                                           "Bytes of the recordings of enrolled voices held in memory (host "
+                                           "embeddings and device KV prefix)", registry=r)
+        self.voice_evictions = Counter("duplex_talker_voice_evictions",
+                                       "Recordings evicted from memory to make room for another", registry=r)
+        self.voice_forgets = Counter("duplex_talker_voice_forgets", "ForgetVoice calls, by outcome", ["outcome"],
+                                     registry=r)
+        for outcome in FORGET_OUTCOMES:
+            self.voice_forgets.labels(outcome=outcome)
+
+    def track_recordings(self, store) -> None:
+        """Read the recording store's count and bytes at each scrape (recording_store.RecordingStore)."""
+        self.voice_recordings.set_function(lambda: len(store))
+        self.voice_recording_bytes.set_function(lambda: store.held_bytes)
 
     def observe_step(self, seconds: float, batch: int) -> None:
         self.stage.observe_step(seconds, batch)

@@ -1,4 +1,4 @@
-"""The Talker's wire surface: the Talk stream, GetCapacity and Drain (talker.proto).
+"""The Talker's wire surface: the Talk stream, GetCapacity, Drain, ListVoices and ForgetVoice (talker.proto).
 
 One Talk stream = one session:
 
@@ -23,6 +23,10 @@ and this handler, which writes what the clock puts in the session's outbox. The
 reader's errors travel through the same outbox, so a stream ends exactly once, with
 the first error. However it ends, the session leaves the clock and its slot comes
 back only after its last engine work finished (clock.ConversationClock.close).
+
+A voice recorded from shipped audio is leased from the open until the session's `ready`
+(its prompt is in the slot) or its end, so a ForgetVoice or an eviction meanwhile never
+takes it from under the prompt (voice_recorder.py, recording_store.py).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from services.talker.metrics import TalkerMetrics
 from services.talker.clock import ConversationClock
 from services.talker.say import SayDone, SayEnd, SayError, SayQueue, SayRefused, say_words
 from services.talker.session import END, Output, PrimeRefused, Ready, Session
+from services.talker.recording_store import ForgetOutcome
 from services.talker.voice_recorder import VoiceRecorder
 from services.common.frame import CARD, CODEBOOKS
 
@@ -160,6 +165,10 @@ def to_response(item: Ready | Output | PrimeRefused | SayDone | SayRefused) -> t
 
 # ---- the servicer ---------------------------------------------------------------------------
 
+FORGET_OUTCOMES = {ForgetOutcome.FORGOTTEN: talker_pb2.FORGET_OUTCOME_FORGOTTEN,
+                   ForgetOutcome.DEFERRED: talker_pb2.FORGET_OUTCOME_DEFERRED,
+                   ForgetOutcome.NOT_HELD: talker_pb2.FORGET_OUTCOME_NOT_HELD}
+
 # The longest a held open waits for its prime or first frame before its prompt starts anyway.
 MAX_HOLD_S = 10.0
 REPRIMED = object()  # put in a replaced session's outbox: the stream reads its new session's from here on
@@ -174,10 +183,11 @@ class PromptSettings:
 
 
 class TalkStream:
-    """What one Talk stream is serving now: its session on the clock, replaced at each prime."""
+    """What one Talk stream is serving now: its session on the clock, replaced at each prime, and the
+    lease on that session's voice (voice_recorder.VoiceLease), held until its prompt is in the slot."""
 
-    def __init__(self, session: Session):
-        self.session = session
+    def __init__(self, session: Session, lease):
+        self.session, self.lease = session, lease
 
 
 class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
@@ -210,7 +220,7 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
     async def Talk(self, request_iterator, context):
         async with self.runtime.guard(context):
             stream_id, prompt = self._parse_open(req := await self.runtime.first_message(context))
-            prompt.voice = await self._record_voice(prompt.voice)
+            lease = await self._record_voice(prompt.voice)
             o = req.open
         handle = stream = reader = hold_timer = None
         reason = "error"
@@ -219,17 +229,21 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
                 self.clock.admit()  # RESOURCE_EXHAUSTED prefill_busy, before a slot is taken
                 handle = self.runtime.open_stream(stream_id)
                 hold_s = o.hold_prompt_ms / 1000.0
-                stream = TalkStream(self.clock.open(stream_id, handle.slot, prompt.voice, prompt.persona,
-                                                    prompt.sampling, prompt.seed, o.early_outputs, hold=hold_s > 0))
+                stream = TalkStream(self.clock.open(stream_id, handle.slot, lease.key, prompt.persona,
+                                                    prompt.sampling, prompt.seed, o.early_outputs, hold=hold_s > 0),
+                                    lease)
                 if hold_s > 0:
                     await context.write(talker_pb2.TalkResponse(held=talker_pb2.TalkHeld(slot=handle.slot)))
                     hold_timer = asyncio.get_running_loop().call_later(
                         min(hold_s, MAX_HOLD_S), lambda: self.clock.start_prompt(stream.session, "hold_ended"))
                 reader = asyncio.create_task(self._read_frames(handle, stream, context), name=f"talk-read-{stream_id}")
                 while True:
-                    item = await stream.session.outbox.get()
+                    session = stream.session
+                    item = await session.outbox.get()
                     if item is REPRIMED:
                         continue  # the stream's session was replaced: read the new one's outbox
+                    if isinstance(item, Ready) and session is stream.session:
+                        stream.lease.release()  # the prompt is in the slot: the voice's recording is not read again
                     if item is END:
                         reason = "ok"
                         return
@@ -246,6 +260,9 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
                 reason = "cancelled"
                 raise
             finally:
+                lease.release()  # idempotent: a session that went live, or was re-primed, released it already
+                if stream is not None:
+                    stream.lease.release()
                 if hold_timer is not None:
                     hold_timer.cancel()
                 if reader is not None:
@@ -256,7 +273,7 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
                     self.runtime.close_stream(handle, reason)
 
     async def _record_voice(self, voice):
-        """The engine's key for the open's voice, recorded first if it is audio (voice_recorder.py)."""
+        """A lease on the engine's key for the open's voice, recorded first if it is audio (voice_recorder.py)."""
         name, pcm = voice if isinstance(voice, tuple) else (voice, None)
         try:
             return await self.recorder.resolve(name, pcm)
@@ -266,6 +283,11 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
     async def ListVoices(self, request, context):
         voices = await asyncio.to_thread(self.recorder.bundled)
         return talker_pb2.VoiceList(voices=[talker_pb2.VoiceInfo(name=n, seconds=s) for n, s in voices])
+
+    async def ForgetVoice(self, request, context):
+        async with self.runtime.guard(context):
+            outcome = await self.recorder.forget(request.audio_sha256)
+            return talker_pb2.ForgetVoiceResponse(outcome=FORGET_OUTCOMES[outcome])
 
     async def TalkLink(self, request_iterator, context):
         await serve_link(self.runtime, context, talker_pb2.TalkLinkResponse, lambda port: self.Talk(None, port))
@@ -323,14 +345,20 @@ class TalkerServicer(StageRpcs, talker_pb2_grpc.TalkerServicer):
             raise FailedPrecondition("a prime must come before the first frame", kind="prime_after_audio")
         try:
             prompt = self._parse_prompt(msg)
-            prompt.voice = await self._record_voice(prompt.voice)
+            lease = await self._record_voice(prompt.voice)
         except InvalidArgument as e:  # the session keeps the prompt it had
             stream.session.outbox.put_nowait(PrimeRefused(msg.prime, e.kind, str(e)))
             return
         old = stream.session
-        stream.session = self.clock.reprime(old, msg.prime, prompt.voice, prompt.persona, prompt.sampling,
-                                            prompt.seed)
+        try:
+            stream.session = self.clock.reprime(old, msg.prime, lease.key, prompt.persona, prompt.sampling,
+                                                prompt.seed)
+        except BaseException:
+            lease.release()
+            raise
         stream.session.say = old.say  # queued says outlive the prompt they were sent under (none said yet)
+        stream.lease.release()  # the old prompt's, whose session is closed: it never begins now
+        stream.lease = lease
         while not old.outbox.empty():
             item = old.outbox.get_nowait()
             if isinstance(item, (SayDone, SayRefused)):  # a say's answer is the stream's, not the prompt's
@@ -398,8 +426,13 @@ class TalkerService:
                         "frames from its first frame; what the model says is meaningless", self.engine.context)
             self.engine.bench_full_context = True
         voices = cfg.voices_to_preload
-        recorder = self.recorder = VoiceRecorder(paths, self.engine, self.clock.compute, cfg.voice_cache_path,
-                                                 cfg.max_voice_seconds)
+        try:
+            recorder = self.recorder = VoiceRecorder(paths, self.engine, self.clock.compute, cfg.voice_cache_path,
+                                                     cfg.max_voice_seconds, memory_bytes=cfg.voice_memory_bytes,
+                                                     disk_bytes=cfg.voice_cache_bytes, metrics=metrics)
+        except ValueError as e:
+            raise ValueError(f"talker config: {e}") from None
+        metrics.track_recordings(recorder.store)
         try:
             for name in voices:
                 await recorder.resolve(name)  # audio voices are recorded (or read from the cache) first
