@@ -2,27 +2,32 @@
 achieved bandwidth at serving shapes, for the fp8 ring and the 4-bit one.
 
     python -m bench.attention_check [--formats fp8,int4] [--out DIR]
+    python -m bench.attention_check --formats int4 --smoke [--out DIR]   # the CPU, TRITON_INTERPRET=1
 
 Correctness: fresh random rings and queries, valid lengths from 1 to the whole ring, rows naming
 a random permutation of slots, every output element poisoned before the launch. Bandwidth: one
 layer at serving shapes, a sweep of launch settings at the full shape (fp8: 160 slots; int4: 288).
-Writes attention_check.json (fp8) and attention_check_int4.json (int4) under --out."""
+Writes attention_check.json (fp8) and attention_check_int4.json (int4, bench/attention_check_int4.py: both
+4-bit kernels at every launch setting) under --out."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
-from pathlib import Path
+import os
+import sys
 
-import torch
+if "--smoke" in sys.argv:  # Triton picks its interpreter when it decorates a kernel, i.e. at the imports below
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from services.talker import kv_int4
-from services.talker.decode_attention import (BLOCK_N, NUM_STAGES, NUM_WARPS, decode_attention,
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.attention_check_int4 import main_int4  # noqa: E402
+from services.talker.decode_attention import (BLOCK_N, NUM_STAGES, NUM_WARPS, decode_attention,  # noqa: E402
                                               decode_attention_reference, quantize_fp8)
-from services.talker.kv_int4 import Launch, decode_attention_int4, decode_attention_int4_reference, quantize_int4
-
-INT4_SLOTS = 288  # the 4-bit ring's target: full-context sessions beside the codecs on one H200
 
 
 def launch_configs(slots: int, fill: int, context: int) -> list[tuple[int, int, int]]:
@@ -48,95 +53,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def check_int4(results: dict, failed: list) -> None:
-    """The 4-bit kernel against its torch reference on fresh random inputs, with every launch setting the sweep
-    tries; and the 4-bit ring's attention against exact bf16 attention on the same vectors."""
-    dev, H, D, C, S = "cuda", 32, 128, 3000, 12
-    seed = int(time.time())  # fresh inputs every run
-    results["int4_check_seed"] = seed
-    g = torch.Generator(device=dev).manual_seed(seed)
-    keys = torch.randn(S, H, C, D, device=dev, generator=g)
-    values = torch.randn(S, H, C, D, device=dev, generator=g) * 2 + 0.5
-    kc, ks, kz = quantize_int4(keys)
-    vc, vs, vz = quantize_int4(values)
-    q = torch.randn(8, H, D, device=dev, generator=g).to(torch.bfloat16)
-    slots = torch.randperm(S, device=dev, generator=g)[:8]
-    n_valid = torch.tensor([1, 2, 127, 128, 129, 1000, 2999, 3000], device=dev)
-    sm = D ** -0.5
-    ref = decode_attention_int4_reference(q, kc, vc, ks, kz, vs, vz, slots, n_valid, sm)
-    worst = 0.0
-    for launch in int4_launches(full=True):
-        out = torch.full_like(q, float("nan"))  # poisoned: an unwritten element stays NaN
-        out.copy_(decode_attention_int4(q, kc, vc, ks, kz, vs, vz, slots, n_valid, sm, launch))
-        err = rel(out, ref) if torch.isfinite(out).all() else float("inf")
-        worst = max(worst, err)
-        if not err < 1e-2:
-            failed.append(f"int4 {launch}: {err:.2e}")
-    results["rel_err_kernel_vs_ref_int4_worst_launch"] = worst
-    print(f"int4: kernel vs reference relative error {worst:.2e} (worst of the launch settings)")
-    exact = decode_attention_reference(q, keys.to(torch.bfloat16), values.to(torch.bfloat16), None, None, slots,
-                                       n_valid, sm)
-    results["rel_err_int4_vs_bf16_random"] = rel(ref, exact)
-    print(f"int4 vs bf16 attention on random vectors (no rotation needed): {rel(ref, exact):.3f}")
-
-
-def int4_launches(full: bool) -> list[Launch]:
-    if not full:
-        return [kv_int4.LAUNCH]
-    return [Launch(bn, w, st, exact) for exact in (True, False) for bn in (64, 128, 256) for w in (4, 8)
-            for st in ((2, 3) if exact else (2,))]
-
-
-def sweep_int4(results: dict, sweep: list) -> None:
-    """One layer of the 4-bit ring at serving shapes; every launch setting at INT4_SLOTS full."""
-    dev, H, D, C = "cuda", 32, 128, 3000
-    for S in (64, INT4_SLOTS):
-        codes_k = torch.randint(0, 256, (S, H, C, D // 2), dtype=torch.uint8, device=dev)
-        codes_v = torch.randint(0, 256, (S, H, C, D // 2), dtype=torch.uint8, device=dev)
-        meta = [torch.rand(S, H, C, 2, device=dev, dtype=torch.float16) for _ in range(4)]
-        q = torch.randn(S, H, D, device=dev, dtype=torch.bfloat16)
-        slots = torch.arange(S, device=dev)
-        for fill in (C, C // 4):
-            n_valid = torch.full((S,), fill, device=dev)
-            gb = S * H * fill * (2 * D // 2 + 4 * 2 * 2) / 1e9
-            for launch in int4_launches(full=S == INT4_SLOTS and fill == C):
-                try:
-                    t = bench(lambda: decode_attention_int4(q, codes_k, codes_v, *meta, slots, n_valid, D ** -0.5,
-                                                            launch))
-                except Exception as e:  # e.g. a config that needs more shared memory than an SM has
-                    print(f"int4 S={S} fill={fill} {launch}: failed: {type(e).__name__}")
-                    continue
-                sweep.append({"slots": S, "fill": fill, **launch._asdict(), "ms_per_layer": round(t * 1e3, 4),
-                              "gb_per_s": round(gb / t)})
-                print(f"int4 S={S} fill={fill} {launch}: {t * 1e3:.3f} ms/layer, {gb / t:.0f} GB/s")
-        codes_k = codes_v = meta = None
-    full = [r for r in sweep if r["slots"] == INT4_SLOTS and r["fill"] == C]
-    if full:
-        best = min(full, key=lambda r: r["ms_per_layer"])
-        results["best_at_288_full"] = best
-        print(f"int4 best at {INT4_SLOTS} slots, full ring: {best}")
-
-
-def main_int4(out: Path) -> list:
-    results, sweep, failed = {}, [], []
-    check_int4(results, failed)
-    sweep_int4(results, sweep)
-    results["default"] = kv_int4.LAUNCH._asdict()
-    results["sweep"] = sweep
-    results["failed"] = failed
-    (out / "attention_check_int4.json").write_text(json.dumps(results, indent=2))
-    return failed
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--formats", default="fp8,int4", help="which rings to check: fp8 (with bf16), int4")
+    ap.add_argument("--smoke", action="store_true", help="int4 only, on the CPU under TRITON_INTERPRET=1 at small "
+                    "shapes: checks the script and the kernels' arithmetic, times nothing real")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     formats = set(args.formats.split(","))
-    failed = main_int4(out) if "int4" in formats else []
+    if args.smoke and formats != {"int4"}:
+        raise SystemExit("--smoke checks the int4 kernels only: pass --formats int4")
+    failed = main_int4(out, smoke=args.smoke) if "int4" in formats else []
     if "fp8" in formats:
         failed += main_fp8(out)
     if failed:

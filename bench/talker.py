@@ -205,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                     "4 the 4-bit ring, 16 bf16")
     ap.add_argument("--reserve-gb", type=float, default=0.0, help="GPU memory held while ours runs, for the codecs "
                     "beside the talker (5.7 GB in the front door, bench/RESULTS.md)")
-    ap.add_argument("--kv4-launch", default=None, metavar="BLOCK_N,WARPS,STAGES,EXACT_BITS",
-                    help="the 4-bit decode kernel's launch (default: services/talker/kv_int4.py's), e.g. from "
-                         "bench.attention_check's sweep")
+    ap.add_argument("--kv4-launch", default=None, metavar="KERNEL,BLOCK_N,WARPS,STAGES,EXACT_BITS",
+                    help="the 4-bit decode kernel and its launch (default: services/talker/kv_int4.py's), e.g. "
+                         "bench.attention_check's best_launch: planes,128,4,3,1")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="talker", help="the result files' name (<name>.json, <name>.png)")
     ap.add_argument("--tokenizer", default=None, help="a SentencePiece model (default: the tiny checkpoint's)")
@@ -269,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile and not args.smoke:
         fused.enable()  # after the reference: it is moshi's code, never ours
     if args.kv4_launch:
-        bn, warps, stages, exact = (int(x) for x in args.kv4_launch.split(","))
-        kv_int4.LAUNCH = kv_int4.Launch(bn, warps, stages, bool(exact))
+        try:
+            kv_int4.LAUNCH = kv_int4.Launch.parse(args.kv4_launch)
+        except ValueError as e:
+            ap.error(f"--kv4-launch: {e}")
     w_bytes = weights_bytes(model, AGENT_CODEBOOKS)
     kv_pos = kv_bytes_per_position(cfg, args.kv_bits)
     reserve = None

@@ -40,10 +40,25 @@ Decode attention (Triton, `decode_attention_int4`): as the fp8 kernel (decode_at
 scale and minimum factor out of its products, so codes are used as plain numbers:
     q . k = s0 (q_lo . c_lo) + z0 sum(q_lo) + s1 (q_hi . c_hi) + z1 sum(q_hi)
     sum_t p_t v_t[half] = sum_t (p_t s_t) c_t[half] + sum_t p_t z_t
+Two kernels compute this (`Kernel`; bench.attention_check times both at every launch setting):
+* tile, the first: a [BLOCK_N, D/2] byte tile per block, widened to int32, its nibbles split by mask and shift,
+  and every block's value sums reduced across all the program's threads (shuffles and shared memory). Measured on
+  the H200: 3.10 ms per layer at 288 full slots, 1285 GB/s, a third of the bandwidth.
+* planes: the codes as 32-bit words (eight nibbles: four channels of each half). Nibble M of each half-word is a
+  "plane" of D/8 channels, turned into a float without a shift or a conversion: masked in place into the
+  mantissa of 2^23 and 2^23 taken off (one LOP3 and one FADD; the plane's weight 16^M, a power of two, comes
+  off exactly: folded into the query for keys, out of the sum at the end for values), then one FMA with the
+  query (keys) or with p * scale (values). A block is a
+  [BLOCK_N / ROWS, ROWS, D/8] tile whose ROWS span the program's threads, so the value planes accumulate per
+  thread and are summed across threads once, after the loop. The loop is software-pipelined (tl.range's
+  num_stages: the loads of the next blocks are in flight while one is computed). About 4.1-4.5 instructions per
+  code in the compiled loop (sm_90) against the tile kernel's 5.6-6.6.
+Both take one launch with the same arguments; which runs and how is a `Launch`.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import NamedTuple
 
@@ -108,6 +123,61 @@ try:  # Triton exists on the GPU image, not on CPU-only machines.
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
+
+MAGIC = 0x4B000000  # the bits of 2^23 as fp32: with a nibble c OR'ed into its mantissa it reads 2^23 + c
+
+
+class Kernel(str, enum.Enum):
+    """Which Triton decode kernel (both take the same arguments and compute the same attention)."""
+
+    TILE = "tile"  # the first: a [BLOCK_N, D/2] byte tile, its nibbles split by mask and shift, reduced every block
+    PLANES = "planes"  # 32-bit words, eight nibble planes, per-thread partial sums reduced once (see the notes)
+
+
+class Launch(NamedTuple):
+    """The kernel's launch: which kernel, positions per block, warps, pipeline stages, and how codes become floats.
+
+    exact_bits (the tile kernel's choice, _as_float): through the bits of 2^23 + c, or an integer-to-float
+    conversion. Both give the code exactly; they differ in speed. The planes kernel always goes through the bits
+    (its nibbles are masked in place), so it takes exact_bits True only."""
+
+    kernel: Kernel
+    block_n: int
+    num_warps: int
+    num_stages: int
+    exact_bits: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "Launch":
+        """'KERNEL,BLOCK_N,WARPS,STAGES,EXACT_BITS' (str(launch)), e.g. 'planes,128,4,3,1'."""
+        parts = text.split(",")
+        try:
+            kernel, bn, warps, stages, exact = Kernel(parts[0]), *(int(x) for x in parts[1:])
+        except ValueError as e:  # a bad kernel name, a non-integer, or the wrong count of fields
+            raise ValueError(f"a 4-bit launch is KERNEL,BLOCK_N,WARPS,STAGES,EXACT_BITS with KERNEL one of "
+                             f"{', '.join(k.value for k in Kernel)}, got {text!r}") from e
+        return cls(kernel, bn, warps, stages, bool(exact)).checked()
+
+    def checked(self) -> "Launch":
+        """Itself, if Triton can launch it; a ValueError says why not."""
+        pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
+        if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.num_warps) and self.num_stages >= 1):
+            raise ValueError(f"a 4-bit launch needs block_n a power of two >= 16, num_warps a power of two and "
+                             f"num_stages >= 1, got {self}")
+        if self.kernel is Kernel.PLANES and not self.exact_bits:
+            raise ValueError("the planes kernel always converts codes through their bits: exact_bits must be True")
+        return self
+
+    def __str__(self) -> str:
+        return f"{self.kernel.value},{self.block_n},{self.num_warps},{self.num_stages},{int(self.exact_bits)}"
+
+
+# A first choice, not yet timed on the GPU: bench/kv4.sh sweeps the launch settings of both kernels at 288
+# full-context slots (bench.attention_check) and runs bench.talker with the fastest that agrees with the reference
+# (--kv4-launch sets this for a run). The tile kernel's best measured launch: tile,256,4,2,0 (3.10 ms per layer).
+LAUNCH = Launch(Kernel.PLANES, block_n=128, num_warps=4, num_stages=3, exact_bits=True)
+
+
 if triton is not None:
 
     @triton.jit
@@ -119,7 +189,7 @@ if triton is not None:
         return c.to(tl.float32)
 
     @triton.jit
-    def _decode_int4_kernel(Q, K, V, KS, KZ, VS, VZ, SLOTS, NVALID, OUT, sm_scale,
+    def _decode_int4_tile_kernel(Q, K, V, KS, KZ, VS, VZ, SLOTS, NVALID, OUT, sm_scale,
                             s_qb, s_qh, s_ks, s_kh, s_kc, s_ms, s_mh, s_mc, s_ob, s_oh,
                             HALF: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_BITS: tl.constexpr):
         b = tl.program_id(0)
@@ -171,18 +241,139 @@ if triton is not None:
         tl.store(o_base + HALF + d, ((acc_hi + zero_hi) / l_i).to(OUT.dtype.element_ty))
 
 
-class Launch(NamedTuple):
-    """The kernel's launch: positions per block, warps, pipeline stages, and how codes become floats (_as_float)."""
+    @triton.jit
+    def _plane(w, nibble, magic, M: tl.constexpr):
+        """Nibble M (0..3) of the low 16 bits of the words w, times 16^M, as fp32 and exactly: the nibble masked in
+        place into the mantissa of 2^23, less 2^23. No shift and no integer-to-float conversion. The mask (`nibble`,
+        15) and `magic` (the bits of 2^23) come as kernel arguments: as constants, the AND and the OR compile to two
+        instructions (a LOP3 takes one immediate; a mask of the low bits becomes a bit-field extract); as
+        registers, to one LOP3."""
+        return ((w & (nibble << (4 * M))) | magic).to(tl.float32, bitcast=True) - 8388608.0
 
-    block_n: int
-    num_warps: int
-    num_stages: int
-    exact_bits: bool
+    @triton.jit
+    def _fp16_pair(x, G: tl.constexpr):
+        """Half G of 32-bit words that each hold two fp16 (a half vector's scale or minimum, G = 0 or 1), as fp32."""
+        return ((x >> (16 * G)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
+    @triton.jit
+    def _channels(i, HALF: tl.constexpr, P: tl.constexpr, M: tl.constexpr):
+        """The channels that plane (P, M) holds: nibble M of half-word P of word i is byte 4i + 2P + M // 2's low
+        (M even, group 0) or high (M odd, group 1) nibble."""
+        return (M % 2) * HALF + 4 * i + 2 * P + M // 2
 
-# A first choice, not yet timed on the GPU: bench/kv4.sh sweeps the launch settings at 288 full-context slots
-# (bench.attention_check) and runs bench.talker with the fastest (--kv4-launch sets this for a run).
-LAUNCH = Launch(block_n=128, num_warps=4, num_stages=2, exact_bits=True)
+    @triton.jit
+    def _q_plane(q_base, i, sm_scale, HALF: tl.constexpr, P: tl.constexpr, M: tl.constexpr):
+        """The query at plane (P, M)'s channels, times sm_scale and 16^-M (a power of two: exact, so the products
+        with the plane's 16^M-weighted codes round as q * code would)."""
+        return tl.load(q_base + _channels(i, HALF, P, M)).to(tl.float32) * sm_scale * (1.0 / (1 << (4 * M)))
+
+    @triton.jit
+    def _v_plane(acc, pv, vw, nibble, magic, alpha, M: tl.constexpr):
+        """acc [ROWS, WORDS] rescaled, plus the block's p * scale-weighted codes of one value plane, summed over the
+        positions each thread holds (axis 0 is in-thread: no shuffle, no shared memory)."""
+        return acc * alpha + tl.sum(pv[:, :, None] * _plane(vw, nibble, magic, M), axis=0)
+
+    @triton.jit
+    def _store_plane(o_base, i, acc, denom, z, HALF: tl.constexpr, P: tl.constexpr, M: tl.constexpr):
+        """Plane (P, M) of the output: its per-thread sums summed, the weight 16^M off, the half's p * minimum sum
+        added, over the softmax denominator."""
+        out = (tl.sum(acc, axis=0) * (1.0 / (1 << (4 * M))) + z) / denom
+        tl.store(o_base + _channels(i, HALF, P, M), out.to(o_base.dtype.element_ty))
+
+    @triton.jit
+    def _decode_int4_planes_kernel(Q, K, V, KS, KZ, VS, VZ, SLOTS, NVALID, OUT, sm_scale, nibble, magic,
+                                   s_qb, s_qh, s_ks, s_kh, s_ms, s_mh, s_ob, s_oh,
+                                   HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                                   NUM_STAGES: tl.constexpr):
+        """K, V: the rings as int32 words (WORDS = HALF / 4 per vector); KS..VZ: the scales and minimums as int32
+        words of two fp16 (one per position). A block of BLOCK_N positions is a [BLOCK_N / ROWS, ROWS, WORDS] tile;
+        ROWS spans the program's threads, so sums over axis 0 stay in each thread."""
+        WORDS: tl.constexpr = HALF // 4
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        n = tl.load(NVALID + b)
+        i = tl.arange(0, WORDS)
+        q_base = Q + b * s_qb + h * s_qh
+        d = tl.arange(0, HALF)
+        sum_q_lo = tl.sum(tl.load(q_base + d).to(tl.float32) * sm_scale, axis=0)
+        sum_q_hi = tl.sum(tl.load(q_base + HALF + d).to(tl.float32) * sm_scale, axis=0)
+        q00 = _q_plane(q_base, i, sm_scale, HALF, 0, 0)[None, None, :]
+        q01 = _q_plane(q_base, i, sm_scale, HALF, 0, 1)[None, None, :]
+        q02 = _q_plane(q_base, i, sm_scale, HALF, 0, 2)[None, None, :]
+        q03 = _q_plane(q_base, i, sm_scale, HALF, 0, 3)[None, None, :]
+        q10 = _q_plane(q_base, i, sm_scale, HALF, 1, 0)[None, None, :]
+        q11 = _q_plane(q_base, i, sm_scale, HALF, 1, 1)[None, None, :]
+        q12 = _q_plane(q_base, i, sm_scale, HALF, 1, 2)[None, None, :]
+        q13 = _q_plane(q_base, i, sm_scale, HALF, 1, 3)[None, None, :]
+        rows = tl.arange(0, BLOCK_N // ROWS)[:, None] * ROWS + tl.arange(0, ROWS)[None, :]  # [BLOCK_N / ROWS, ROWS]
+        k_base = K + slot * s_ks + h * s_kh
+        v_base = V + slot * s_ks + h * s_kh
+        m_base = slot * s_ms + h * s_mh  # scales and minimums share one layout
+        m_i = -float("inf")
+        # Per thread-row partial sums (softmax denominator, p * minimum of each half, and the eight value planes),
+        # summed across threads once after the loop.
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        z_lo = tl.zeros([ROWS], dtype=tl.float32)
+        z_hi = tl.zeros([ROWS], dtype=tl.float32)
+        a00 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a01 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a02 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a03 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a10 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a11 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a12 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a13 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        for start in tl.range(0, n, BLOCK_N, num_stages=NUM_STAGES):
+            idx = start + rows
+            valid = idx < n
+            offs = idx[:, :, None] * WORDS + i[None, None, :]
+            # Unsigned words: their shifts are logical (an arithmetic one would cost a sign extension per use).
+            kw = tl.load(k_base + offs, mask=valid[:, :, None], other=0).to(tl.uint32, bitcast=True)
+            vw = tl.load(v_base + offs, mask=valid[:, :, None], other=0).to(tl.uint32, bitcast=True)
+            ks = tl.load(KS + m_base + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            kz = tl.load(KZ + m_base + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            vs = tl.load(VS + m_base + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            vz = tl.load(VZ + m_base + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            kw_hi = kw >> 16  # half-word 1 (bytes 2, 3) down to half-word 0's place: one shift per eight codes
+            dot_lo = (_plane(kw, nibble, magic, 0) * q00 + _plane(kw, nibble, magic, 2) * q02
+                      + _plane(kw_hi, nibble, magic, 0) * q10 + _plane(kw_hi, nibble, magic, 2) * q12)
+            dot_hi = (_plane(kw, nibble, magic, 1) * q01 + _plane(kw, nibble, magic, 3) * q03
+                      + _plane(kw_hi, nibble, magic, 1) * q11 + _plane(kw_hi, nibble, magic, 3) * q13)
+            # Each half's scale enters before the sum over the words: one sum per position, not one per half.
+            s = (tl.sum(dot_lo * _fp16_pair(ks, 0)[:, :, None] + dot_hi * _fp16_pair(ks, 1)[:, :, None], axis=2)
+                 + _fp16_pair(kz, 0) * sum_q_lo + _fp16_pair(kz, 1) * sum_q_hi)
+            s = tl.where(valid, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(tl.max(s, axis=1), axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            z_lo = z_lo * alpha + tl.sum(p * _fp16_pair(vz, 0), axis=0)
+            z_hi = z_hi * alpha + tl.sum(p * _fp16_pair(vz, 1), axis=0)
+            pv_lo = p * _fp16_pair(vs, 0)
+            pv_hi = p * _fp16_pair(vs, 1)
+            vw_hi = vw >> 16
+            a00 = _v_plane(a00, pv_lo, vw, nibble, magic, alpha, 0)
+            a01 = _v_plane(a01, pv_hi, vw, nibble, magic, alpha, 1)
+            a02 = _v_plane(a02, pv_lo, vw, nibble, magic, alpha, 2)
+            a03 = _v_plane(a03, pv_hi, vw, nibble, magic, alpha, 3)
+            a10 = _v_plane(a10, pv_lo, vw_hi, nibble, magic, alpha, 0)
+            a11 = _v_plane(a11, pv_hi, vw_hi, nibble, magic, alpha, 1)
+            a12 = _v_plane(a12, pv_lo, vw_hi, nibble, magic, alpha, 2)
+            a13 = _v_plane(a13, pv_hi, vw_hi, nibble, magic, alpha, 3)
+            m_i = m_new
+        l_sum = tl.sum(l_i, axis=0)
+        zl = tl.sum(z_lo, axis=0)
+        zh = tl.sum(z_hi, axis=0)
+        o_base = OUT + b * s_ob + h * s_oh
+        _store_plane(o_base, i, a00, l_sum, zl, HALF, 0, 0)
+        _store_plane(o_base, i, a01, l_sum, zh, HALF, 0, 1)
+        _store_plane(o_base, i, a02, l_sum, zl, HALF, 0, 2)
+        _store_plane(o_base, i, a03, l_sum, zh, HALF, 0, 3)
+        _store_plane(o_base, i, a10, l_sum, zl, HALF, 1, 0)
+        _store_plane(o_base, i, a11, l_sum, zh, HALF, 1, 1)
+        _store_plane(o_base, i, a12, l_sum, zl, HALF, 1, 2)
+        _store_plane(o_base, i, a13, l_sum, zh, HALF, 1, 3)
 
 
 def decode_attention_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale,
@@ -195,19 +386,40 @@ def decode_attention_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, s
     if triton is None or not q.is_cuda:
         return decode_attention_int4_reference(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid,
                                                sm_scale)
-    return _launch(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale, launch or LAUNCH)
+    return launch_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale,
+                       launch or LAUNCH)
 
 
-def _launch(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale, launch: Launch):
+def launch_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale, launch: Launch,
+                out: torch.Tensor | None = None):
+    """The Triton kernel `launch` names, on any device Triton runs on (CUDA, or the CPU under TRITON_INTERPRET=1),
+    into `out` (like q) if given."""
     B, H, D = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     assert ring_k.stride() == ring_v.stride() and ring_k.stride(3) == 1 and ring_k.shape[3] * 2 == D
+    assert ring_k.stride(2) == D // 2  # one vector's codes right after the previous one's
     assert k_scale.stride() == k_zero.stride() == v_scale.stride() == v_zero.stride() and k_scale.stride(3) == 1
-    _decode_int4_kernel[(B, H)](
-        q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, out, sm_scale,
-        q.stride(0), q.stride(1), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), out.stride(0), out.stride(1),
-        HALF=D // 2, BLOCK_N=launch.block_n, EXACT_BITS=launch.exact_bits, num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+    assert k_scale.stride(2) == 2  # a position's two halves' scales (or minimums) are one 32-bit word
+    if launch.kernel is Kernel.TILE:
+        _decode_int4_tile_kernel[(B, H)](
+            q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, out, sm_scale,
+            q.stride(0), q.stride(1), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), out.stride(0), out.stride(1),
+            HALF=D // 2, BLOCK_N=launch.block_n, EXACT_BITS=launch.exact_bits, num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+        )
+        return out
+    if D % 8 or (D // 8) & (D // 8 - 1):
+        raise ValueError(f"the planes kernel needs head_dim a power of two of at least 8, got {D}")
+    # 16-byte loads: a vector's WORDS words take WORDS / 4 threads, so a warp spans 32 * 4 / WORDS positions.
+    rows = min(launch.block_n, launch.num_warps * 128 // max(4, D // 8))
+    words = lambda t: t.view(torch.int32)  # noqa: E731  - 4 code bytes, or a half vector's fp16 pair, per word
+    kw, vw, ks, kz, vs, vz = (words(t) for t in (ring_k, ring_v, k_scale, k_zero, v_scale, v_zero))
+    _decode_int4_planes_kernel[(B, H)](
+        q, kw, vw, ks, kz, vs, vz, slots, n_valid, out, sm_scale, 15, MAGIC,
+        q.stride(0), q.stride(1), kw.stride(0), kw.stride(1), ks.stride(0), ks.stride(1), out.stride(0),
+        out.stride(1),
+        HALF=D // 2, BLOCK_N=launch.block_n, ROWS=rows, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
     )
     return out
