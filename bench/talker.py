@@ -218,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="ours with torch.compile'd elementwise kernels (the serving config)")
     args = ap.parse_args(argv)
+    if args.kv4_launch:
+        try:
+            kv_int4.LAUNCH = kv_int4.Launch.parse(args.kv4_launch)
+        except ValueError as e:
+            ap.error(f"--kv4-launch: {e}")
     if not args.smoke and not torch.cuda.is_available():
         print("bench.talker needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
@@ -268,11 +273,6 @@ def main(argv: list[str] | None = None) -> int:
         model.quantize_weights_fp8_()
     if args.compile and not args.smoke:
         fused.enable()  # after the reference: it is moshi's code, never ours
-    if args.kv4_launch:
-        try:
-            kv_int4.LAUNCH = kv_int4.Launch.parse(args.kv4_launch)
-        except ValueError as e:
-            ap.error(f"--kv4-launch: {e}")
     w_bytes = weights_bytes(model, AGENT_CODEBOOKS)
     kv_pos = kv_bytes_per_position(cfg, args.kv_bits)
     reserve = None
