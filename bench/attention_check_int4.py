@@ -1,7 +1,7 @@
 """The 4-bit ring's decode kernels (services/talker/kv_int4.py) against their torch reference, and their speed at
 serving shapes: the int4 half of `python -m bench.attention_check --formats int4 [--smoke] [--out DIR]`.
 
-1. Correctness, for every launch of the sweep (both kernels): fresh random rings whose vectors range over two
+1. Correctness, for every launch of the sweep (the three kernels): fresh random rings whose vectors range over two
    orders of magnitude (peaked and flat softmaxes; a zero and a constant vector among them), valid lengths at
    and around every block boundary up to the whole ring, rows naming a random permutation of slots, the output
    poisoned with NaN before the launch. The query in bf16 (as served; tolerance 1e-2, as before) and in fp32 (the
@@ -36,14 +36,16 @@ TOLERANCE_FP32 = 1e-4  # the same with an fp32 query and output: only the kernel
 
 
 def launches() -> list[Launch]:
-    """Every launch to check and time (18: each compiles twice, a bf16 and an fp32 query, about 2 s each). The planes
-    kernel first and its likeliest settings first, so a run cut short by its deadline has them; its stages 1 (no
-    pipelining) and 3 (two blocks in flight). The tile kernel at 4 warps only: at 8 it measured 1.6-2x slower
-    everywhere, and its num_stages made no difference (bench/results/kv4-2026-12-02/attention_check_int4.json:
-    Triton pipelines a loop without tl.dot only when tl.range asks, which the tile kernel does not)."""
-    planes = [Launch(Kernel.PLANES, bn, w, st, True) for st in (3, 1) for w in (4, 8) for bn in (128, 256, 64)]
+    """Every launch to check and time: 22, each compiled twice (a bf16 and an fp32 query), about 1-2 s each. The
+    planes and mma kernels at the same settings, the likeliest first, so that a run cut short by its deadline has
+    them: stages 3 (two blocks in flight) and 1 (no pipelining); 8 warps only with blocks of 128 and 256 (at 64 a
+    thread would hold a single row). The tile kernel at 4 warps: at 8 it measured 1.6-2x slower everywhere, and
+    its num_stages made no difference (bench/results/kv4-2026-12-02/attention_check_int4.json; Triton pipelines a
+    loop without tl.dot only when tl.range asks, which the tile kernel does not)."""
+    settings = [(128, 4, 3), (256, 4, 3), (128, 4, 1), (256, 4, 1), (64, 4, 3), (128, 8, 3), (256, 8, 3), (256, 8, 1)]
+    fast = [Launch(k, bn, w, st, True) for bn, w, st in settings for k in (Kernel.MMA, Kernel.PLANES)]
     tile = [Launch(Kernel.TILE, bn, 4, 2, exact) for exact in (False, True) for bn in (256, 128, 64)]
-    return planes + tile
+    return fast + tile
 
 
 class Shapes:
@@ -212,13 +214,15 @@ def pick_best(results: dict, slots: int, fill: int) -> None:
     results["best_launch"] = overall["launch"]
     print(f"int4 fastest launch that agrees at {slots} slots, full ring: {overall['launch']} "
           f"({overall['ms_per_layer']:.3f} ms/layer, {overall['gb_per_s']} GB/s)")
-    print("int4 by setting (ms/layer at the full shape):  block_n warps stages   planes   tile  tile(exact_bits)")
+    print("int4 by setting (ms/layer at the full shape):   block_n warps stages      mma   planes     tile"
+          "  tile(exact_bits)")
     by = {(r["kernel"], r["block_n"], r["num_warps"], r["num_stages"], r["exact_bits"]): r["ms_per_layer"]
           for r in full}
     fmt = lambda x: f"{x:8.3f}" if x is not None else "       -"  # noqa: E731
     for bn, w, st in sorted({(r["block_n"], r["num_warps"], r["num_stages"]) for r in full}):
-        print(f"{'':48}{bn:7d} {w:5d} {st:6d} {fmt(by.get(('planes', bn, w, st, True)))} "
-              f"{fmt(by.get(('tile', bn, w, st, False)))} {fmt(by.get(('tile', bn, w, st, True)))}")
+        print(f"{'':48}{bn:8d} {w:5d} {st:6d} {fmt(by.get(('mma', bn, w, st, True)))} "
+              f"{fmt(by.get(('planes', bn, w, st, True)))} {fmt(by.get(('tile', bn, w, st, False)))} "
+              f"{fmt(by.get(('tile', bn, w, st, True)))}")
 
 
 def main_int4(out: Path, smoke: bool = False) -> list[str]:

@@ -8,9 +8,10 @@
 - The engine's eager path with a 4-bit ring: both alignments far past the ring filling, prefill chunks, a
   catch-up step over a subset of slots, the voice KV prefix copy.
 - Teacher-forced greedy agreement against the fp32 ring on the tiny model above a floor of 90 % (fp8: 97.6 %).
-- Both Triton kernels (tile and planes) at every launch of the GPU sweep against the same reference, under Triton's
-  CPU interpreter (bench.attention_check --smoke; where Triton is installed: it is not in the CPU test env, whose
-  torch wheel brings none), and the launch names bench/kv4.sh passes between scripts.
+- The three Triton kernels (tile, planes, mma) at every launch of the GPU sweep against the same reference, under
+  Triton's CPU interpreter (bench.attention_check --smoke; the mma kernel's two lines of inline PTX are the same
+  in Triton there), where Triton is installed: it is not in the CPU test env, whose torch wheel brings none. And
+  the launch names bench/kv4.sh passes between scripts.
 The Triton kernels are checked against the same reference on the GPU too (bench/attention_check.py), and the
 graphed path against the eager one there (bench/prefill_graph_check.py).
 """
@@ -225,12 +226,13 @@ def test_talker_config_kv_bits():
 
 def test_a_launch_is_named_by_one_string_and_bad_ones_are_refused():
     """bench/kv4.sh hands bench.attention_check's fastest launch to bench.talker --kv4-launch as str(launch)."""
-    for launch in (LAUNCH, Launch(Kernel.TILE, 256, 4, 2, False), Launch(Kernel.PLANES, 64, 8, 1, True)):
+    for launch in (LAUNCH, Launch(Kernel.TILE, 256, 4, 2, False), Launch(Kernel.MMA, 64, 8, 1, True)):
         assert Launch.parse(str(launch)) == launch
     assert str(Launch(Kernel.PLANES, 128, 4, 3, True)) == "planes,128,4,3,1"
     for bad, why in (("fast,128,4,3,1", "KERNEL,BLOCK_N"), ("planes,128,4,3", "KERNEL,BLOCK_N"),
                      ("planes,128,4,x,1", "KERNEL,BLOCK_N"), ("planes,96,4,3,1", "power of two"),
-                     ("tile,128,4,0,1", "num_stages"), ("planes,128,4,3,0", "exact_bits must be True")):
+                     ("tile,128,4,0,1", "num_stages"), ("planes,128,4,3,0", "exact_bits must be True"),
+                     ("mma,128,4,3,0", "exact_bits must be True")):
         with pytest.raises(ValueError, match=why):
             Launch.parse(bad)
 
@@ -241,9 +243,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (the CPU test env's "
                     "torch wheel brings none); `pip install triton` to run the kernels under its interpreter")
 @pytest.mark.timeout(300)
-def test_both_triton_kernels_equal_the_reference_at_every_launch_under_the_interpreter(tmp_path):
-    """The GPU check's correctness half on the CPU (TRITON_INTERPRET=1): every launch of the sweep, both kernels, on
-    vectors over two orders of magnitude with a zero and a constant among them, valid lengths at and around every
+def test_the_triton_kernels_equal_the_reference_at_every_launch_under_the_interpreter(tmp_path):
+    """The GPU check's correctness half on the CPU (TRITON_INTERPRET=1): every launch of the sweep, the three kernels,
+    on vectors over two orders of magnitude with a zero and a constant among them, valid lengths at and around every
     block size, rows in a random slot order, the output poisoned before the launch. Within 1e-4 of the reference
     in fp32 (measured about 1e-6); exact_bits changes no output bit (both of its ways give codes exactly)."""
     proc = subprocess.run([sys.executable, "-m", "bench.attention_check", "--formats", "int4", "--smoke", "--out",

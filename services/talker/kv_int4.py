@@ -40,7 +40,7 @@ Decode attention (Triton, `decode_attention_int4`): as the fp8 kernel (decode_at
 scale and minimum factor out of its products, so codes are used as plain numbers:
     q . k = s0 (q_lo . c_lo) + z0 sum(q_lo) + s1 (q_hi . c_hi) + z1 sum(q_hi)
     sum_t p_t v_t[half] = sum_t (p_t s_t) c_t[half] + sum_t p_t z_t
-Two kernels compute this (`Kernel`; bench.attention_check times both at every launch setting):
+Three kernels compute this (`Kernel`; bench.attention_check checks and times them at every launch setting):
 * tile, the first: a [BLOCK_N, D/2] byte tile per block, widened to int32, its nibbles split by mask and shift,
   and every block's value sums reduced across all the program's threads (shuffles and shared memory). Measured on
   the H200: 3.10 ms per layer at 288 full slots, 1285 GB/s, a third of the bandwidth.
@@ -53,13 +53,21 @@ Two kernels compute this (`Kernel`; bench.attention_check times both at every la
   thread and are summed across threads once, after the loop. The loop is software-pipelined (tl.range's
   num_stages: the loads of the next blocks are in flight while one is computed). About 4.1-4.5 instructions per
   code in the compiled loop (sm_90) against the tile kernel's 5.6-6.6.
-Both take one launch with the same arguments; which runs and how is a `Launch`.
+* mma: the planes kernel with the keys' dot products on int8 tensor cores (wgmma on Hopper). Codes are exact
+  int8 numbers, unpacked four to a register (an AND, or a shift and an AND, in inline PTX: Triton's own byte
+  operations extract and re-pack every byte); the query, one vector per program, becomes three int8 limbs
+  (q = unit * (l0 + l1 / 128 + l2 / 128^2), within 2.4e-7 of max |q|) in three columns of the B operand per half,
+  and the products sum exactly in int32. The values stay on the planes' FMA path: their dot products run over
+  positions, which the ring stores apart (a position's channels are contiguous), and int8 tensor cores want the
+  summed dimension contiguous. About 3.0-3.6 instructions per code.
+All take the same arguments; which runs and how is a `Launch`.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -128,18 +136,19 @@ MAGIC = 0x4B000000  # the bits of 2^23 as fp32: with a nibble c OR'ed into its m
 
 
 class Kernel(str, enum.Enum):
-    """Which Triton decode kernel (both take the same arguments and compute the same attention)."""
+    """Which Triton decode kernel (all take the same arguments and compute the same attention; the notes above)."""
 
     TILE = "tile"  # the first: a [BLOCK_N, D/2] byte tile, its nibbles split by mask and shift, reduced every block
     PLANES = "planes"  # 32-bit words, eight nibble planes, per-thread partial sums reduced once (see the notes)
+    MMA = "mma"  # the planes kernel with the keys' dot products on int8 tensor cores
 
 
 class Launch(NamedTuple):
     """The kernel's launch: which kernel, positions per block, warps, pipeline stages, and how codes become floats.
 
     exact_bits (the tile kernel's choice, _as_float): through the bits of 2^23 + c, or an integer-to-float
-    conversion. Both give the code exactly; they differ in speed. The planes kernel always goes through the bits
-    (its nibbles are masked in place), so it takes exact_bits True only."""
+    conversion. Both give the code exactly; they differ in speed. The planes and mma kernels always go through the
+    bits (their nibbles are masked in place), so they take exact_bits True only."""
 
     kernel: Kernel
     block_n: int
@@ -164,8 +173,9 @@ class Launch(NamedTuple):
         if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.num_warps) and self.num_stages >= 1):
             raise ValueError(f"a 4-bit launch needs block_n a power of two >= 16, num_warps a power of two and "
                              f"num_stages >= 1, got {self}")
-        if self.kernel is Kernel.PLANES and not self.exact_bits:
-            raise ValueError("the planes kernel always converts codes through their bits: exact_bits must be True")
+        if self.kernel is not Kernel.TILE and not self.exact_bits:
+            raise ValueError(f"the {self.kernel.value} kernel always converts codes through their bits: exact_bits "
+                             f"must be True")
         return self
 
     def __str__(self) -> str:
@@ -376,6 +386,132 @@ if triton is not None:
         _store_plane(o_base, i, a13, l_sum, zh, HALF, 1, 3)
 
 
+    @triton.jit
+    def _nibbles(x, HIGH: tl.constexpr, INTERPRET: tl.constexpr):
+        """Code bytes (uint8) -> their low (or HIGH) nibbles as int8, four per instruction: an AND (after a shift for
+        the high ones) on the 32-bit register that holds four bytes. Triton's own `x & 15` on bytes extracts and
+        re-packs each one. The interpreter runs no PTX: there, the same in Triton."""
+        if INTERPRET:
+            return ((x >> 4) if HIGH else (x & 15)).to(tl.int8, bitcast=True)
+        if HIGH:
+            return tl.inline_asm_elementwise("shr.b32 $0, $1, 4;\n\tand.b32 $0, $0, 0x0F0F0F0F;", "=r,r", [x],
+                                             dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [x], dtype=tl.int8, is_pure=True,
+                                         pack=4)
+
+    @triton.jit
+    def _limbs(q):
+        """q [HALF] fp32 -> (unit, l0, l1, l2), q = unit * (l0 + l1 / 128 + l2 / 128^2) to within unit / 2^15
+        (2.4e-7 of max |q|), each l an integer of at most 127 in magnitude (held in fp32): three int8 limbs."""
+        unit = tl.maximum(tl.max(tl.abs(q), axis=0), 1e-30) / 127.0
+        x = q / unit
+        l0 = tl.floor(x + 0.5)
+        x = (x - l0) * 128.0  # exact: x - l0 is within 0.5 of 0
+        l1 = tl.floor(x + 0.5)
+        x = (x - l1) * 128.0
+        return unit, l0, l1, tl.floor(x + 0.5)
+
+    @triton.jit
+    def _limb_columns(l0, l1, l2, cols, FIRST: tl.constexpr):
+        """[HALF, 16] int8 with the limbs in columns FIRST..FIRST+2, zero elsewhere: a tensor-core B operand."""
+        c = tl.where(cols == FIRST, l0[:, None], tl.where(cols == FIRST + 1, l1[:, None],
+                                                          tl.where(cols == FIRST + 2, l2[:, None], 0.0)))
+        return c.to(tl.int8)
+
+    @triton.jit
+    def _decode_int4_mma_kernel(Q, K, V, KS, KZ, VS, VZ, SLOTS, NVALID, OUT, sm_scale, nibble, magic,
+                                s_qb, s_qh, s_ks, s_kh, s_ms, s_mh, s_ob, s_oh,
+                                HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                                NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+        """The planes kernel with the keys' dot products on int8 tensor cores: codes (exact in int8) times the
+        query's three int8 limbs, summed exactly in int32 (at most 127 * 15 * HALF), one column per limb and half.
+        K: the keys' ring as bytes; V..VZ and the strides (in 32-bit words) as the planes kernel's."""
+        WORDS: tl.constexpr = HALF // 4
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        n = tl.load(NVALID + b)
+        i = tl.arange(0, WORDS)
+        d = tl.arange(0, HALF)
+        q_base = Q + b * s_qb + h * s_qh
+        q_lo = tl.load(q_base + d).to(tl.float32) * sm_scale
+        q_hi = tl.load(q_base + HALF + d).to(tl.float32) * sm_scale
+        sum_q_lo = tl.sum(q_lo, axis=0)
+        sum_q_hi = tl.sum(q_hi, axis=0)
+        cols = tl.arange(0, 16)[None, :]
+        u_lo, l0, l1, l2 = _limbs(q_lo)
+        b_lo = _limb_columns(l0, l1, l2, cols, 0)
+        u_hi, l0, l1, l2 = _limbs(q_hi)
+        b_hi = _limb_columns(l0, l1, l2, cols, 3)
+        # Column c of the product, as a score: its limb's weight, and which half's scale it takes.
+        weight = tl.where(cols % 3 == 0, 1.0, tl.where(cols % 3 == 1, 1.0 / 128, 1.0 / 16384))
+        weight = tl.where(cols < 3, u_lo * weight, tl.where(cols < 6, u_hi * weight, 0.0))
+        rows = tl.arange(0, BLOCK_N // ROWS)[:, None] * ROWS + tl.arange(0, ROWS)[None, :]  # [BLOCK_N / ROWS, ROWS]
+        k_base = K + (slot * s_ks + h * s_kh) * 4  # bytes
+        v_base = V + slot * s_ks + h * s_kh
+        m_base = slot * s_ms + h * s_mh
+        m_i = -float("inf")
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        z_lo = tl.zeros([ROWS], dtype=tl.float32)
+        z_hi = tl.zeros([ROWS], dtype=tl.float32)
+        a00 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a01 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a02 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a03 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a10 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a11 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a12 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        a13 = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        for start in tl.range(0, n, BLOCK_N, num_stages=NUM_STAGES):
+            idx_k = start + tl.arange(0, BLOCK_N)
+            valid_k = idx_k < n
+            kc = tl.load(k_base + idx_k[:, None] * HALF + d[None, :], mask=valid_k[:, None], other=0)
+            prod = tl.dot(_nibbles(kc, False, INTERPRET), b_lo, out_dtype=tl.int32)
+            prod = tl.dot(_nibbles(kc, True, INTERPRET), b_hi, prod, out_dtype=tl.int32)  # [BLOCK_N, 16]
+            ks = tl.load(KS + m_base + idx_k, mask=valid_k, other=0).to(tl.uint32, bitcast=True)
+            kz = tl.load(KZ + m_base + idx_k, mask=valid_k, other=0).to(tl.uint32, bitcast=True)
+            scale = tl.where(cols < 3, _fp16_pair(ks, 0)[:, None], _fp16_pair(ks, 1)[:, None])
+            s = (tl.sum(prod.to(tl.float32) * weight * scale, axis=1)
+                 + _fp16_pair(kz, 0) * sum_q_lo + _fp16_pair(kz, 1) * sum_q_hi)
+            s = tl.where(valid_k, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.reshape(tl.exp(s - m_new), (BLOCK_N // ROWS, ROWS))  # [BLOCK_N / ROWS, ROWS], as `rows`
+            idx = start + rows
+            valid = idx < n
+            vw = tl.load(v_base + idx[:, :, None] * WORDS + i[None, None, :], mask=valid[:, :, None],
+                         other=0).to(tl.uint32, bitcast=True)
+            vs = tl.load(VS + m_base + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            vz = tl.load(VZ + m_base + idx, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            z_lo = z_lo * alpha + tl.sum(p * _fp16_pair(vz, 0), axis=0)
+            z_hi = z_hi * alpha + tl.sum(p * _fp16_pair(vz, 1), axis=0)
+            pv_lo = p * _fp16_pair(vs, 0)
+            pv_hi = p * _fp16_pair(vs, 1)
+            vw_hi = vw >> 16
+            a00 = _v_plane(a00, pv_lo, vw, nibble, magic, alpha, 0)
+            a01 = _v_plane(a01, pv_hi, vw, nibble, magic, alpha, 1)
+            a02 = _v_plane(a02, pv_lo, vw, nibble, magic, alpha, 2)
+            a03 = _v_plane(a03, pv_hi, vw, nibble, magic, alpha, 3)
+            a10 = _v_plane(a10, pv_lo, vw_hi, nibble, magic, alpha, 0)
+            a11 = _v_plane(a11, pv_hi, vw_hi, nibble, magic, alpha, 1)
+            a12 = _v_plane(a12, pv_lo, vw_hi, nibble, magic, alpha, 2)
+            a13 = _v_plane(a13, pv_hi, vw_hi, nibble, magic, alpha, 3)
+            m_i = m_new
+        l_sum = tl.sum(l_i, axis=0)
+        zl = tl.sum(z_lo, axis=0)
+        zh = tl.sum(z_hi, axis=0)
+        o_base = OUT + b * s_ob + h * s_oh
+        _store_plane(o_base, i, a00, l_sum, zl, HALF, 0, 0)
+        _store_plane(o_base, i, a01, l_sum, zh, HALF, 0, 1)
+        _store_plane(o_base, i, a02, l_sum, zl, HALF, 0, 2)
+        _store_plane(o_base, i, a03, l_sum, zh, HALF, 0, 3)
+        _store_plane(o_base, i, a10, l_sum, zl, HALF, 1, 0)
+        _store_plane(o_base, i, a11, l_sum, zh, HALF, 1, 1)
+        _store_plane(o_base, i, a12, l_sum, zl, HALF, 1, 2)
+        _store_plane(o_base, i, a13, l_sum, zh, HALF, 1, 3)
+
+
 def decode_attention_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale,
                           launch: Launch | None = None):
     """One query per row against its slot's 4-bit ring, in place. Triton on CUDA, torch elsewhere.
@@ -410,16 +546,20 @@ def launch_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_va
             num_stages=launch.num_stages,
         )
         return out
-    if D % 8 or (D // 8) & (D // 8 - 1):
-        raise ValueError(f"the planes kernel needs head_dim a power of two of at least 8, got {D}")
+    if D % 8 or (D // 8) & (D // 8 - 1) or (launch.kernel is Kernel.MMA and D < 32):
+        raise ValueError(f"the {launch.kernel.value} kernel needs head_dim a power of two of at least "
+                         f"{32 if launch.kernel is Kernel.MMA else 8}, got {D}")
     # 16-byte loads: a vector's WORDS words take WORDS / 4 threads, so a warp spans 32 * 4 / WORDS positions.
     rows = min(launch.block_n, launch.num_warps * 128 // max(4, D // 8))
     words = lambda t: t.view(torch.int32)  # noqa: E731  - 4 code bytes, or a half vector's fp16 pair, per word
     kw, vw, ks, kz, vs, vz = (words(t) for t in (ring_k, ring_v, k_scale, k_zero, v_scale, v_zero))
-    _decode_int4_planes_kernel[(B, H)](
-        q, kw, vw, ks, kz, vs, vz, slots, n_valid, out, sm_scale, 15, MAGIC,
-        q.stride(0), q.stride(1), kw.stride(0), kw.stride(1), ks.stride(0), ks.stride(1), out.stride(0),
-        out.stride(1),
-        HALF=D // 2, BLOCK_N=launch.block_n, ROWS=rows, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
-    )
+    args = (q, kw, vw, ks, kz, vs, vz, slots, n_valid, out, sm_scale, 15, MAGIC, q.stride(0), q.stride(1),
+            kw.stride(0), kw.stride(1), ks.stride(0), ks.stride(1), out.stride(0), out.stride(1))
+    meta = dict(HALF=D // 2, BLOCK_N=launch.block_n, ROWS=rows, NUM_STAGES=launch.num_stages,
+                num_warps=launch.num_warps)
+    if launch.kernel is Kernel.PLANES:
+        _decode_int4_planes_kernel[(B, H)](*args, **meta)
+    else:  # the keys as bytes (the tensor cores take their codes four to a register)
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        _decode_int4_mma_kernel[(B, H)](*args[:1], ring_k, *args[2:], INTERPRET=interpret, **meta)
     return out
