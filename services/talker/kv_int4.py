@@ -182,9 +182,10 @@ class Launch(NamedTuple):
         return f"{self.kernel.value},{self.block_n},{self.num_warps},{self.num_stages},{int(self.exact_bits)}"
 
 
-# A first choice, not yet timed on the GPU: bench/kv4.sh sweeps the launch settings of both kernels at 288
-# full-context slots (bench.attention_check) and runs bench.talker with the fastest that agrees with the reference
-# (--kv4-launch sets this for a run). The tile kernel's best measured launch: tile,256,4,2,0 (3.10 ms per layer).
+# A first choice, not yet timed on the GPU (the planes kernel: no tensor cores, no inline PTX): bench/kv4.sh sweeps
+# the three kernels' launch settings at 288 full-context slots (bench.attention_check) and runs bench.talker with
+# the fastest that agrees with the reference (--kv4-launch sets this for a run). The tile kernel's best measured
+# launch: tile,256,4,2,0 (3.10 ms per layer).
 LAUNCH = Launch(Kernel.PLANES, block_n=128, num_warps=4, num_stages=3, exact_bits=True)
 
 
@@ -193,7 +194,8 @@ if triton is not None:
     @triton.jit
     def _as_float(c, EXACT_BITS: tl.constexpr):
         """Codes 0..15 (int32) as fp32. EXACT_BITS: through the bits of 2^23 + c (an OR and a subtraction, no
-        integer-to-float conversion, which Hopper issues at a fraction of the FMA rate)."""
+        integer-to-float conversion). Both are exact; in this kernel the conversion (sm_90's I2FP) measured the
+        faster, 3.10 ms per layer against 3.17."""
         if EXACT_BITS:
             return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         return c.to(tl.float32)
@@ -530,6 +532,7 @@ def launch_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_va
                 out: torch.Tensor | None = None):
     """The Triton kernel `launch` names, on any device Triton runs on (CUDA, or the CPU under TRITON_INTERPRET=1),
     into `out` (like q) if given."""
+    launch = launch.checked()
     B, H, D = q.shape
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
