@@ -36,15 +36,16 @@ TOLERANCE_FP32 = 1e-4  # the same with an fp32 query and output: only the kernel
 
 
 def launches() -> list[Launch]:
-    """Every launch to check and time: 22, each compiled twice (a bf16 and an fp32 query), about 1-2 s each. The
+    """Every launch to check and time: 20, each compiled twice (a bf16 and an fp32 query), about 1-2 s each. The
     planes and mma kernels at the same settings, the likeliest first, so that a run cut short by its deadline has
-    them: stages 3 (two blocks in flight) and 1 (no pipelining); 8 warps only with blocks of 128 and 256 (at 64 a
-    thread would hold a single row). The tile kernel at 4 warps: at 8 it measured 1.6-2x slower everywhere, and
-    its num_stages made no difference (bench/results/kv4-2026-12-02/attention_check_int4.json; Triton pipelines a
+    them: 3 stages (two blocks in flight), 2 and 1 (no pipelining); 8 warps with blocks of 256 only (at 128 and
+    64 a thread holds one or two rows: about 4.5-5.2 instructions per code, tools/kernel_sass.py). The tile
+    kernel at 4 warps and blocks of 128 and 256: at 8 warps or blocks of 64 it measured 1.6-2x slower, and its
+    num_stages made no difference (bench/results/kv4-2026-12-02/attention_check_int4.json; Triton pipelines a
     loop without tl.dot only when tl.range asks, which the tile kernel does not)."""
-    settings = [(128, 4, 3), (256, 4, 3), (128, 4, 1), (256, 4, 1), (64, 4, 3), (128, 8, 3), (256, 8, 3), (256, 8, 1)]
+    settings = [(128, 4, 3), (256, 4, 3), (128, 4, 2), (256, 4, 2), (128, 4, 1), (256, 4, 1), (256, 8, 3), (256, 8, 1)]
     fast = [Launch(k, bn, w, st, True) for bn, w, st in settings for k in (Kernel.MMA, Kernel.PLANES)]
-    tile = [Launch(Kernel.TILE, bn, 4, 2, exact) for exact in (False, True) for bn in (256, 128, 64)]
+    tile = [Launch(Kernel.TILE, bn, 4, 2, exact) for exact in (False, True) for bn in (256, 128)]
     return fast + tile
 
 
