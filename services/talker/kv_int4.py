@@ -51,7 +51,7 @@ Three kernels compute this (`Kernel`; bench.attention_check checks and times the
   query (keys) or with p * scale (values). A block is a
   [BLOCK_N / ROWS, ROWS, D/8] tile whose ROWS span the program's threads, so the value planes accumulate per
   thread and are summed across threads once, after the loop. The loop is software-pipelined (tl.range's
-  num_stages: the loads of the next blocks are in flight while one is computed). About 4.1-4.5 instructions per
+  num_stages: the loads of the next blocks are in flight while one is computed). About 4.2-4.6 instructions per
   code in the compiled loop (sm_90) against the tile kernel's 5.6-6.6.
 * mma: the planes kernel with the keys' dot products on int8 tensor cores (wgmma on Hopper). Codes are exact
   int8 numbers, unpacked four to a register (an AND, or a shift and an AND, in inline PTX: Triton's own byte
@@ -59,7 +59,7 @@ Three kernels compute this (`Kernel`; bench.attention_check checks and times the
   (q = unit * (l0 + l1 / 128 + l2 / 128^2), within 2.4e-7 of max |q|) in three columns of the B operand per half,
   and the products sum exactly in int32. The values stay on the planes' FMA path: their dot products run over
   positions, which the ring stores apart (a position's channels are contiguous), and int8 tensor cores want the
-  summed dimension contiguous. About 3.0-3.6 instructions per code.
+  summed dimension contiguous. About 2.9-3.6 instructions per code (tools/kernel_sass.py).
 All take the same arguments; which runs and how is a `Launch`.
 """
 
