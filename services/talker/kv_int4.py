@@ -294,6 +294,32 @@ if triton is not None:
         tl.store(o_base + _channels(i, HALF, P, M), out.to(o_base.dtype.element_ty))
 
     @triton.jit
+    def _v_planes(a00, a01, a02, a03, a10, a11, a12, a13, p, vs, vw, nibble, magic, alpha):
+        """The eight value planes' accumulators after one block (both kernels): the words' low and high halves, each
+        half vector's scale weighting p."""
+        pv_lo = p * _fp16_pair(vs, 0)
+        pv_hi = p * _fp16_pair(vs, 1)
+        vw_hi = vw >> 16
+        return (_v_plane(a00, pv_lo, vw, nibble, magic, alpha, 0), _v_plane(a01, pv_hi, vw, nibble, magic, alpha, 1),
+                _v_plane(a02, pv_lo, vw, nibble, magic, alpha, 2), _v_plane(a03, pv_hi, vw, nibble, magic, alpha, 3),
+                _v_plane(a10, pv_lo, vw_hi, nibble, magic, alpha, 0),
+                _v_plane(a11, pv_hi, vw_hi, nibble, magic, alpha, 1),
+                _v_plane(a12, pv_lo, vw_hi, nibble, magic, alpha, 2),
+                _v_plane(a13, pv_hi, vw_hi, nibble, magic, alpha, 3))
+
+    @triton.jit
+    def _store_planes(o_base, i, a00, a01, a02, a03, a10, a11, a12, a13, denom, z_lo, z_hi, HALF: tl.constexpr):
+        """The eight planes of the output (both kernels)."""
+        _store_plane(o_base, i, a00, denom, z_lo, HALF, 0, 0)
+        _store_plane(o_base, i, a01, denom, z_hi, HALF, 0, 1)
+        _store_plane(o_base, i, a02, denom, z_lo, HALF, 0, 2)
+        _store_plane(o_base, i, a03, denom, z_hi, HALF, 0, 3)
+        _store_plane(o_base, i, a10, denom, z_lo, HALF, 1, 0)
+        _store_plane(o_base, i, a11, denom, z_hi, HALF, 1, 1)
+        _store_plane(o_base, i, a12, denom, z_lo, HALF, 1, 2)
+        _store_plane(o_base, i, a13, denom, z_hi, HALF, 1, 3)
+
+    @triton.jit
     def _decode_int4_planes_kernel(Q, K, V, KS, KZ, VS, VZ, SLOTS, NVALID, OUT, sm_scale, nibble, magic,
                                    s_qb, s_qh, s_ks, s_kh, s_ms, s_mh, s_ob, s_oh,
                                    HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
@@ -363,30 +389,14 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=0)
             z_lo = z_lo * alpha + tl.sum(p * _fp16_pair(vz, 0), axis=0)
             z_hi = z_hi * alpha + tl.sum(p * _fp16_pair(vz, 1), axis=0)
-            pv_lo = p * _fp16_pair(vs, 0)
-            pv_hi = p * _fp16_pair(vs, 1)
-            vw_hi = vw >> 16
-            a00 = _v_plane(a00, pv_lo, vw, nibble, magic, alpha, 0)
-            a01 = _v_plane(a01, pv_hi, vw, nibble, magic, alpha, 1)
-            a02 = _v_plane(a02, pv_lo, vw, nibble, magic, alpha, 2)
-            a03 = _v_plane(a03, pv_hi, vw, nibble, magic, alpha, 3)
-            a10 = _v_plane(a10, pv_lo, vw_hi, nibble, magic, alpha, 0)
-            a11 = _v_plane(a11, pv_hi, vw_hi, nibble, magic, alpha, 1)
-            a12 = _v_plane(a12, pv_lo, vw_hi, nibble, magic, alpha, 2)
-            a13 = _v_plane(a13, pv_hi, vw_hi, nibble, magic, alpha, 3)
+            a00, a01, a02, a03, a10, a11, a12, a13 = _v_planes(a00, a01, a02, a03, a10, a11, a12, a13, p, vs, vw,
+                                                               nibble, magic, alpha)
             m_i = m_new
         l_sum = tl.sum(l_i, axis=0)
         zl = tl.sum(z_lo, axis=0)
         zh = tl.sum(z_hi, axis=0)
         o_base = OUT + b * s_ob + h * s_oh
-        _store_plane(o_base, i, a00, l_sum, zl, HALF, 0, 0)
-        _store_plane(o_base, i, a01, l_sum, zh, HALF, 0, 1)
-        _store_plane(o_base, i, a02, l_sum, zl, HALF, 0, 2)
-        _store_plane(o_base, i, a03, l_sum, zh, HALF, 0, 3)
-        _store_plane(o_base, i, a10, l_sum, zl, HALF, 1, 0)
-        _store_plane(o_base, i, a11, l_sum, zh, HALF, 1, 1)
-        _store_plane(o_base, i, a12, l_sum, zl, HALF, 1, 2)
-        _store_plane(o_base, i, a13, l_sum, zh, HALF, 1, 3)
+        _store_planes(o_base, i, a00, a01, a02, a03, a10, a11, a12, a13, l_sum, zl, zh, HALF)
 
 
     @triton.jit
@@ -489,30 +499,14 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=0)
             z_lo = z_lo * alpha + tl.sum(p * _fp16_pair(vz, 0), axis=0)
             z_hi = z_hi * alpha + tl.sum(p * _fp16_pair(vz, 1), axis=0)
-            pv_lo = p * _fp16_pair(vs, 0)
-            pv_hi = p * _fp16_pair(vs, 1)
-            vw_hi = vw >> 16
-            a00 = _v_plane(a00, pv_lo, vw, nibble, magic, alpha, 0)
-            a01 = _v_plane(a01, pv_hi, vw, nibble, magic, alpha, 1)
-            a02 = _v_plane(a02, pv_lo, vw, nibble, magic, alpha, 2)
-            a03 = _v_plane(a03, pv_hi, vw, nibble, magic, alpha, 3)
-            a10 = _v_plane(a10, pv_lo, vw_hi, nibble, magic, alpha, 0)
-            a11 = _v_plane(a11, pv_hi, vw_hi, nibble, magic, alpha, 1)
-            a12 = _v_plane(a12, pv_lo, vw_hi, nibble, magic, alpha, 2)
-            a13 = _v_plane(a13, pv_hi, vw_hi, nibble, magic, alpha, 3)
+            a00, a01, a02, a03, a10, a11, a12, a13 = _v_planes(a00, a01, a02, a03, a10, a11, a12, a13, p, vs, vw,
+                                                               nibble, magic, alpha)
             m_i = m_new
         l_sum = tl.sum(l_i, axis=0)
         zl = tl.sum(z_lo, axis=0)
         zh = tl.sum(z_hi, axis=0)
         o_base = OUT + b * s_ob + h * s_oh
-        _store_plane(o_base, i, a00, l_sum, zl, HALF, 0, 0)
-        _store_plane(o_base, i, a01, l_sum, zh, HALF, 0, 1)
-        _store_plane(o_base, i, a02, l_sum, zl, HALF, 0, 2)
-        _store_plane(o_base, i, a03, l_sum, zh, HALF, 0, 3)
-        _store_plane(o_base, i, a10, l_sum, zl, HALF, 1, 0)
-        _store_plane(o_base, i, a11, l_sum, zh, HALF, 1, 1)
-        _store_plane(o_base, i, a12, l_sum, zl, HALF, 1, 2)
-        _store_plane(o_base, i, a13, l_sum, zh, HALF, 1, 3)
+        _store_planes(o_base, i, a00, a01, a02, a03, a10, a11, a12, a13, l_sum, zl, zh, HALF)
 
 
 def decode_attention_int4(q, ring_k, ring_v, k_scale, k_zero, v_scale, v_zero, slots, n_valid, sm_scale,
