@@ -52,6 +52,10 @@ async function waitUntil(cond, ms) {
 
 const pcm = readPcm16(a.speech);
 const frame = (i) => pcm.subarray(i * FRAME * 2, (i + 1) * FRAME * 2).toString("base64");
+// Read before the client exists: it connects at once, and with ?model= the gateway opens the session on
+// the upgrade, which on a loaded machine lands before a metric read started after it.
+const openedBefore = await metric("gateway_sessions_opened_total");
+const framesInBefore = await metric("gateway_frames_in_total");
 const client = new OpenAI({ baseURL: `${a.url}/v1` }); // apiKey: OPENAI_API_KEY
 let rt;
 if (a.transport === "websocket") {
@@ -85,8 +89,6 @@ async function paced(first, count, each) {
   return count;
 }
 
-const openedBefore = await metric("gateway_sessions_opened_total");
-const framesInBefore = await metric("gateway_frames_in_total");
 await opened;
 rt.send({ type: "session.update", session: { type: "realtime", instructions: "You are a friendly pirate.",
   audio: { output: { voice: "NATF2.pt" } } } });
