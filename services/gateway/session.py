@@ -26,9 +26,9 @@ relay it does not hold yet are dropped; `adopt` reads a failure that came before
 
 Status (`SessionStatus`; the legal moves are `_NEXT`, in one place):
 
-    WAITING <-> OPENING -> LIVE -> CLOSING -> ENDED
-       |  \______________/  |        |   \-> CUT_OFF
-       +--> CLOSING, ENDED, CUT_OFF (from any status before ENDED)
+    WAITING <-> OPENING -> LIVE -> CLOSING -> ENDED | CUT_OFF
+    WAITING -> LIVE (opened at the upgrade), and ENDED or CUT_OFF from any status before them
+    (CLOSING not from OPENING: nothing can close a session while its open is in flight)
 
 Threading: everything runs on the event loop; the relay calls the `relay_*` methods from its link
 tasks, so they only queue and never wait.
