@@ -10,6 +10,7 @@ end (error, close 1011), not sit open and silent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -20,8 +21,11 @@ from websockets.exceptions import ConnectionClosed
 from duplex.v1 import (
     common_pb2, decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, talker_pb2, talker_pb2_grpc,
 )
+from services.gateway.cells import _make_cell
 from services.gateway.config import CellAddress, GatewayConfig
+from services.gateway.relay import OpenParams, Relay, RelayStatus
 from services.gateway.server import Gateway
+from tests.relay_listener import RelayRecorder
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,41 +71,79 @@ class Decoder(decoder_pb2_grpc.DecoderServicer):
             yield msg
 
 
-class FailingTalker(talker_pb2_grpc.TalkerServicer):
-    """Accepts every open (ready, its prompt live) and fails the stream in the same link message."""
+class Talker(talker_pb2_grpc.TalkerServicer):
+    """Accepts every open (ready, its prompt live); `fail_after_open`: fails the stream in the same
+    link message."""
+
+    def __init__(self, fail_after_open: bool):
+        self.fail_after_open = fail_after_open
 
     async def GetCapacity(self, request, context):
         return _capacity("talker")
 
     async def TalkLink(self, request_iterator, context):
         cls = talker_pb2.TalkLinkResponse
+        failure = common_pb2.LinkStatus(code=_INTERNAL, kind="internal", details="the step failed")
         async for msg in _answer_link(request_iterator, cls, lambda sid: [
                 cls.Entry(stream_id=sid, response=talker_pb2.TalkResponse(ready=talker_pb2.TalkReady(prime=0))),
-                cls.Entry(stream_id=sid, status=common_pb2.LinkStatus(code=_INTERNAL, kind="internal",
-                                                                      details="the step failed"))]):
+                *([cls.Entry(stream_id=sid, status=failure)] if self.fail_after_open else [])]):
             yield msg
 
 
-@pytest.fixture
-async def gateway():
+@contextlib.asynccontextmanager
+async def fake_cell(fail_after_open: bool):
+    """The cell's address while its three stages serve."""
     servers, ports = [], []
     for servicer, add in ((Encoder(), encoder_pb2_grpc.add_EncoderServicer_to_server),
-                          (FailingTalker(), talker_pb2_grpc.add_TalkerServicer_to_server),
+                          (Talker(fail_after_open), talker_pb2_grpc.add_TalkerServicer_to_server),
                           (Decoder(), decoder_pb2_grpc.add_DecoderServicer_to_server)):
         server = grpc.aio.server()
         add(servicer, server)
         ports.append(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         servers.append(server)
-    cell = CellAddress(*(f"127.0.0.1:{p}" for p in ports))
-    gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, cells=(cell,), cleanup_timeout_s=2.0))
-    await gw.start()
     try:
-        yield gw
+        yield CellAddress(*(f"127.0.0.1:{p}" for p in ports))
     finally:
-        await gw.stop()
         for server in servers:
             await server.stop(0)
+
+
+@pytest.fixture
+async def gateway():
+    async with fake_cell(fail_after_open=True) as cell:
+        gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, cells=(cell,), cleanup_timeout_s=2.0))
+        await gw.start()
+        try:
+            yield gw
+        finally:
+            await gw.stop()
+
+
+@pytest.mark.parametrize("fail_after_open", [False, True])
+async def test_a_relays_status_from_open_to_end(fail_after_open):
+    """Open -> OPEN (counted on the cell) -> close -> ENDED (off the count). A stage that fails right
+    after accepting: the open still succeeds, FAILED, the failure told to the listener once and kept
+    in `failed`; abort -> ENDED, off the count."""
+    async with fake_cell(fail_after_open) as address:
+        cell = _make_cell(address)
+        heard = RelayRecorder()
+        try:
+            p = await Relay.open_on(cell, OpenParams("s-1", "", "Hi.", talker_pb2.Sampling()), heard,
+                                    open_timeout_s=5, stall_timeout_s=5, cleanup_timeout_s=2)
+            assert cell.live_sessions == 1
+            if fail_after_open:
+                assert p.status is RelayStatus.FAILED and p.failed is not None and heard.errors == [p.failed]
+                assert (p.failed.code, p.failed.stage) == ("runtime_stream_failed", "talker")
+                confirmed = await p.abort()
+            else:
+                assert p.status is RelayStatus.OPEN and p.live and p.failed is None
+                confirmed = await p.close()
+                assert heard.errors == []
+            assert confirmed and p.status is RelayStatus.ENDED and cell.live_sessions == 0
+            assert await p.abort() is confirmed  # one cleanup, however many callers
+        finally:
+            await cell.close()
 
 
 async def _until_closed(ws, timeout: float = 10.0) -> list:
