@@ -234,7 +234,7 @@ class ClientSession(abc.ABC):
             try:
                 await self.on_message(message)
             except RelayError:
-                pass  # already reported through the relay's on_error
+                pass  # already reported through relay_failed
             if self._ended.is_set():
                 return
 
