@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.status import IllegalTransition
 from services.gateway import relay, session
 from services.gateway.relay import RelayStatus as R
 from services.gateway.session import SessionStatus as S
@@ -35,7 +36,7 @@ def test_exactly_the_listed_moves_are_legal(module, status, moves, first, ends):
             if (a, b) in moves:
                 assert module.advance(a, b) is b
             else:
-                with pytest.raises(module.IllegalTransition):
+                with pytest.raises(IllegalTransition):
                     module.advance(a, b)
 
 

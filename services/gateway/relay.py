@@ -64,6 +64,7 @@ import grpc
 import numpy as np
 
 from duplex.v1 import common_pb2, encoder_pb2, talker_pb2
+from services.common.status import transition
 from services.gateway.audio import FRAME_SAMPLES, f32_frame_bytes, f32_from_frame_bytes
 from services.gateway.cells import STAGES, Cell
 from services.gateway.links import CellLink
@@ -71,7 +72,7 @@ from services.gateway.stages import (
     CHAIN, OPEN_ORDER, OpenParams, RelayError, StageEnd, open_failure, settings_refusal, stage_end,
 )
 
-__all__ = ["PRELIVE_FRAMES", "IllegalTransition", "OpenParams", "OutputFrame", "Relay", "RelayError",
+__all__ = ["PRELIVE_FRAMES", "OpenParams", "OutputFrame", "Relay", "RelayError",
            "RelayListener", "RelayStatus", "StageEnd", "open_on_cells"]
 
 log = logging.getLogger("gateway.relay")
@@ -136,15 +137,9 @@ _NEXT: dict[RelayStatus, frozenset[RelayStatus]] = {
 _ENDING = frozenset({S.ABORTING, S.ENDED, S.REFUSED})
 
 
-class IllegalTransition(RuntimeError):
-    """A relay was asked to move where its status does not lead (a bug in its caller)."""
-
-
 def advance(status: RelayStatus, to: RelayStatus) -> RelayStatus:
     """`to`, if a relay in `status` may move there; else IllegalTransition."""
-    if to not in _NEXT[status]:
-        raise IllegalTransition(f"a relay {status.value} cannot become {to.value}")
-    return to
+    return transition(_NEXT, status, to)
 
 
 # ---- one session --------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Response
 
 from duplex.v1 import talker_pb2
+from services.common.status import transition
 from services.gateway import audio
 from services.gateway.admission import admit, release
 from services.gateway.bounded import OutputQueue
@@ -93,15 +94,9 @@ _NEXT: dict[SessionStatus, frozenset[SessionStatus]] = {
 _OVER = frozenset({S.ENDED, S.CUT_OFF})
 
 
-class IllegalTransition(RuntimeError):
-    """A session was asked to move where its status does not lead (a bug in a wire)."""
-
-
 def advance(status: SessionStatus, to: SessionStatus) -> SessionStatus:
     """`to`, if a session in `status` may move there; else IllegalTransition."""
-    if to not in _NEXT[status]:
-        raise IllegalTransition(f"a session {status.value} cannot become {to.value}")
-    return to
+    return transition(_NEXT, status, to)
 
 
 class ClientSession(abc.ABC):
