@@ -30,7 +30,7 @@ from services.common.stage_gate import link_metadata
 from services.gateway.cells import STAGES, Cell
 from services.gateway.stages import CHAIN
 
-log = logging.getLogger("gateway.relay")
+log = logging.getLogger("gateway.links")
 
 # Unsent entries past which a stage that does not read its link is given up (its sessions fail
 # typed): the relays into the talker and decoder links cannot wait for room, so this bounds them.
