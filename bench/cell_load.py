@@ -93,12 +93,23 @@ class SessionRun:
     error: dict | None = None
     cleanup_confirmed: bool | None = None
 
-    def on_output(self, out: OutputFrame) -> None:
+    # The relay's listener (relay.RelayListener): its outputs and its failure count; the rest is not asked for.
+
+    def relay_output(self, out: OutputFrame) -> None:
         self.recv.append((out.input_seq, time.monotonic()))
 
-    def on_error(self, err: RelayError) -> None:
+    def relay_failed(self, err: RelayError) -> None:
         if self.error is None:
             self.error = {"code": err.code, "stage": err.stage, "message": err.message}
+
+    def relay_live(self, ready) -> None:
+        pass
+
+    def relay_prime_refused(self, prime: int, err: RelayError) -> None:
+        pass
+
+    def relay_say(self, answer) -> None:
+        pass
 
 
 def make_cell(encoder: str, talker: str, decoder: str) -> Cell:
@@ -131,9 +142,9 @@ async def open_session(cell, run: SessionRun, cfg: dict, seed: int) -> None:
                         sampling=talker_pb2.Sampling(seed=seed))
     t = run.open_t = time.monotonic()
     try:
-        run.relay = await Relay.open_on(cell, params, open_timeout_s=cfg["open_timeout_s"],
-                                              stall_timeout_s=cfg["stall_timeout_s"],
-                                              cleanup_timeout_s=cfg["cleanup_timeout_s"])
+        run.relay = await Relay.open_on(cell, params, run, open_timeout_s=cfg["open_timeout_s"],
+                                        stall_timeout_s=cfg["stall_timeout_s"],
+                                        cleanup_timeout_s=cfg["cleanup_timeout_s"])
     except RelayError as e:
         run.error = {"code": e.code, "stage": e.stage, "message": e.message}
         return
@@ -141,8 +152,6 @@ async def open_session(cell, run: SessionRun, cfg: dict, seed: int) -> None:
         run.error = {"code": "open_failed", "stage": None, "message": f"{type(e).__name__}: {e}"}
         return
     run.open_s = time.monotonic() - t
-    run.relay.on_output = run.on_output
-    run.relay.on_error = run.on_error
 
 
 async def drive(run: SessionRun, frames: list[np.ndarray], offset: int, n_frames: int, start_at: float,
@@ -165,15 +174,15 @@ async def drive(run: SessionRun, frames: list[np.ndarray], offset: int, n_frames
         try:
             await p.send_frame(frames[(offset + i) % len(frames)])
         except RelayError as e:
-            run.on_error(e)
+            run.relay_failed(e)
             run.send_t.pop()  # never reached the encoder
             run.late.pop()
             break
         if run.error is not None:
             break
     run.cleanup_confirmed = await (p.abort() if run.error is not None else p.close())
-    if run.error is None and p.failed is not None:  # failed before on_error was attached, or while closing
-        run.on_error(p.failed)
+    if run.error is None and p.failed is not None:  # failed while its open was answered, or while closing
+        run.relay_failed(p.failed)
 
 
 def seed_of(stream_id: str) -> int:

@@ -75,7 +75,7 @@ from bench.cell_stats import counter_by_label, counter_delta, ms_summary, parse_
 from bench.frontdoor_report import TRAFFIC_NOTES, checks, plot, print_table
 from tools.load_driver.__main__ import parse_args as driver_parse_args
 from tools.load_driver.input_audio import input_signal
-from tools.load_driver.session import RealtimeSession, realtime_url, session_update
+from tools.load_driver.session import RawRealtimeClient, realtime_url, session_update
 from tools.load_driver.traffic import make_plan
 from tools.procs import REPO_ROOT, ServiceStartError, die_with_parent, free_port
 from tools.run_stack import GatewayProcess
@@ -211,7 +211,7 @@ async def probe_slot(url: str, cfg: FrontdoorConfig, pcm16_b64: list[str], stop:
     update = session_update(model=None, voice=cfg.voice, persona=cfg.persona, input_format="pcm16")
     while not stop.is_set():
         rec: dict = {"at": time.monotonic()}
-        s = RealtimeSession(realtime_url(url, None), cleanup_timeout_s=10.0)
+        s = RawRealtimeClient(realtime_url(url, None), cleanup_timeout_s=10.0)
         t0 = time.monotonic()
         try:
             await s.connect(cfg.open_timeout_s)

@@ -357,14 +357,19 @@ async def test_the_relay_pairs_early_outputs_with_their_input_frames(stack, earl
     from services.gateway.cells import _make_cell
     from services.gateway.config import CellAddress
     from services.gateway.relay import OpenParams, Relay
+    from tests.relay_listener import RelayRecorder
+
+    class Pairing(RelayRecorder):
+        def relay_output(self, f) -> None:
+            delivered.append((f.seq, f.input_seq, relay.frames_in, sending))
 
     procs = stack.cell_procs[0]
     cell = _make_cell(CellAddress(procs.encoder.address, procs.talker.address, procs.decoder.address))
     delivered, sending = [], False
     try:
         params = OpenParams(f"early-{early}", "", "Hi.", talker_pb2.Sampling(greedy=True, seed=3), early_outputs=early)
-        relay = await Relay.open_on(cell, params, open_timeout_s=120, stall_timeout_s=30, cleanup_timeout_s=20)
-        relay.on_output = lambda f: delivered.append((f.seq, f.input_seq, relay.frames_in, sending))
+        relay = await Relay.open_on(cell, params, Pairing(), open_timeout_s=120, stall_timeout_s=30,
+                                    cleanup_timeout_s=20)
         frames = tone(15).reshape(-1, FRAME)  # one per 0.25 s: output k is decoded before frame k is sent
         for frame in frames:
             await asyncio.sleep(0.25)

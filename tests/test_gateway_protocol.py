@@ -249,6 +249,7 @@ async def test_a_lost_stage_link_fails_the_session_at_once_as_that_stages_failur
     from duplex.v1 import talker_pb2
     from services.gateway.cells import _make_cell
     from services.gateway.relay import OpenParams, Relay, RelayError
+    from tests.relay_listener import RelayRecorder
     from tools.procs import free_port
 
     cell = _make_cell(CellAddress(*(f"127.0.0.1:{free_port()}" for _ in range(3))))
@@ -256,13 +257,15 @@ async def test_a_lost_stage_link_fails_the_session_at_once_as_that_stages_failur
     try:
         t0 = time.monotonic()
         with pytest.raises(RelayError) as e:
-            await Relay.open_on(cell, params, open_timeout_s=30, stall_timeout_s=5, cleanup_timeout_s=5)
+            await Relay.open_on(cell, params, RelayRecorder(), open_timeout_s=30, stall_timeout_s=5,
+                                cleanup_timeout_s=5)
         assert time.monotonic() - t0 < 10
         assert e.value.code == "runtime_open_failed" and e.value.stage in ("encoder", "talker", "decoder")
         assert "link lost" in e.value.message
         first = cell.link
         with pytest.raises(RelayError):
-            await Relay.open_on(cell, params, open_timeout_s=30, stall_timeout_s=5, cleanup_timeout_s=5)
+            await Relay.open_on(cell, params, RelayRecorder(), open_timeout_s=30, stall_timeout_s=5,
+                                cleanup_timeout_s=5)
         assert cell.link is not first or first is None
     finally:
         await cell.close()

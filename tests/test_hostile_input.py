@@ -615,24 +615,22 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
     from services.gateway.cells import CellPool
     from services.gateway.config import GatewayConfig, parse_cells
     from services.gateway.relay import OpenParams, open_on_cells
+    from tests.relay_listener import RelayRecorder
 
     with Stack(tiny_checkpoint, sessions=4) as stack:
         pool = CellPool(GatewayConfig(cells=parse_cells(stack.cell_procs[0].spec)))
         await pool.start()
         await pool.wait_first_poll()
         opened = []
+        heard = [RelayRecorder() for _ in range(4)]
         try:
             for i in range(4):
                 params = lambda i=i: OpenParams(f"iso-{i}", "", "You are calm.",  # noqa: E731
                                                 talker_pb2.Sampling(seed=i + 1))
-                opened.append(await open_on_cells(pool.candidates(), params, open_timeout_s=120, stall_timeout_s=30,
-                                                  cleanup_timeout_s=20))
+                opened.append(await open_on_cells(pool.candidates(), params, heard[i], open_timeout_s=120,
+                                                  stall_timeout_s=30, cleanup_timeout_s=20))
             flooder, healthy = opened[0], opened[1:]
-            errors: dict[int, list] = {i: [] for i in range(4)}
-            outputs = {i: 0 for i in range(4)}
-            for i, p in enumerate(opened):
-                p.on_error = errors[i].append
-                p.on_output = lambda f, i=i: outputs.__setitem__(i, outputs[i] + 1)
+            errors = {i: heard[i].errors for i in range(4)}
             x = tone(400, 200)
             frames = [x[k * 1920 : (k + 1) * 1920] for k in range(400)]
 
@@ -655,7 +653,7 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
             await asyncio.sleep(0.5)
             await flood()
             assert await async_wait_until(lambda: flooder.failed is not None, 30), "the flooder never failed"
-            at_failure = dict(outputs)
+            at_failure = {i: len(heard[i].outputs) for i in range(4)}
             await asyncio.gather(*pace)
             err = flooder.failed
             # The first stage whose per-session input bound it overran (the link's inbox or the talker's backlog).
@@ -664,7 +662,8 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
             assert errors[0] == [err]
             for i in (1, 2, 3):
                 assert errors[i] == [], (i, [(e.code, e.message) for e in errors[i]])
-                assert outputs[i] - at_failure[i] >= 10, (i, at_failure, outputs)  # still flowing after the failure
+                outputs = len(heard[i].outputs)
+                assert outputs - at_failure[i] >= 10, (i, at_failure, outputs)  # still flowing after the failure
             assert [await p.close() for p in healthy] == [True, True, True]
             await flooder.abort()
         finally:

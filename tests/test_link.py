@@ -208,7 +208,7 @@ async def test_a_stage_that_does_not_read_its_link_is_given_up_within_the_outbox
     the link's unsent entries without end: past the bound the link is lost (its sessions fail typed)
     and its entries are dropped."""
     from duplex.v1 import encoder_pb2_grpc as stubs
-    from services.gateway import relay
+    from services.gateway import links
     from services.gateway.cells import _make_cell
     from services.gateway.config import CellAddress
 
@@ -220,11 +220,11 @@ async def test_a_stage_that_does_not_read_its_link_is_given_up_within_the_outbox
     stubs.add_EncoderServicer_to_server(Deaf(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    monkeypatch.setattr(relay, "OUTBOX_BYTES", 256 * 1024)
-    monkeypatch.setattr(relay, "OUTBOX_LIMIT_BYTES", 512 * 1024)
+    monkeypatch.setattr(links, "OUTBOX_BYTES", 256 * 1024)
+    monkeypatch.setattr(links, "OUTBOX_LIMIT_BYTES", 512 * 1024)
     cell = _make_cell(CellAddress(f"127.0.0.1:{port}", "127.0.0.1:1", "127.0.0.1:1"))
     lost = []
-    link = relay.StageLink(cell, "encoder", lambda stage, entry: None, lambda stage, why: lost.append(why))
+    link = links.StageLink(cell, "encoder", lambda stage, entry: None, lambda stage, why: lost.append(why))
     try:
         frame = encoder_pb2.EncodeRequest(frame=common_pb2.PcmFrame(seq=0, pcm_f32le=b"\0" * 7680))
         for i in range(2000):  # 15 MB offered

@@ -25,10 +25,12 @@ Bounds, each checked before what it bounds is stored (docs/limits.md, "Stage lin
 - a port holds at most `inbox_frames` unread requests, and the ports of a link at most
   `inbox_bytes` in all: the session whose entry does not fit ends with RESOURCE_EXHAUSTED
   (backlog_full), and only it;
-- the link's unsent entries at most `outbox_bytes`: a writer then waits, as on a full HTTP/2
-  window, and the link reads no further message until there is room (so the statuses it answers
-  cannot pile up either). A write the caller does not take within LINK_WRITE_TIMEOUT_S ends the
-  link (DEADLINE_EXCEEDED link_not_read): a caller that stops reading holds no session for good;
+- the link's unsent entries at most `outbox_bytes` (its Outbox, common/outbox.py, which also cuts
+  them into messages of MESSAGE_BYTES and MESSAGE_ENTRIES at most, the same bounds as the gateway's
+  end): a writer then waits, as on a full HTTP/2 window, and the link reads no further message
+  until there is room (so the statuses it answers cannot pile up either). A write the caller does
+  not take within LINK_WRITE_TIMEOUT_S ends the link (DEADLINE_EXCEEDED link_not_read): a caller
+  that stops reading holds no session for good;
 - at most `max_sessions` sessions at once; ended stream ids remembered: RECENT_ENDS ids and
   RECENT_END_BYTES characters at most.
 """
@@ -45,6 +47,7 @@ from google.protobuf.message import DecodeError
 
 from duplex.v1 import common_pb2
 from services.common.errors import ERROR_KIND_KEY, IdleTimeout, InvalidArgument, ResourceExhausted, StageError
+from services.common.outbox import OUTBOX_BYTES, Outbox
 from services.common.recent_ids import RecentIds
 from services.common.stream_id import MAX_STREAM_ID, validate_stream_id
 
@@ -57,8 +60,6 @@ LINK_ENTRIES = 8192
 ROUTE_BATCH = 256  # entries routed per event-loop turn
 INBOX_FRAMES = 64  # 5 s of frames queued for one session before it is refused
 INBOX_BYTES = 2 * LINK_MESSAGE_BYTES  # requests queued unread on all ports of one link
-OUTBOX_BYTES = 32 * 2**20
-MESSAGE_BYTES = 2 * 2**20  # one outgoing message at most this big (the peer's receive limit is larger)
 LINK_WRITE_TIMEOUT_S = 20.0  # a message the caller does not take this long: it does not read its link
 RECENT_ENDS = 4096  # ended stream ids remembered, so entries already in flight for them are dropped quietly
 RECENT_END_BYTES = 256 * 1024
@@ -222,17 +223,12 @@ class Link:
         self.inbox_frames = inbox_frames
         self.inbox_bytes = inbox_bytes
         self.in_bytes = 0  # requests queued unread on all ports
-        self.outbox_bytes = outbox_bytes
         self.write_timeout_s = write_timeout_s
         self.max_sessions = max_sessions if max_sessions is not None else runtime.pool.total + 64
         self.ports: dict[str, LinkPort] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self._recent = RecentIds(RECENT_ENDS, RECENT_END_BYTES, MAX_STREAM_ID)
-        self._out: list = []
-        self._out_bytes = 0
-        self._out_ready = asyncio.Event()
-        self._room = asyncio.Event()
-        self._room.set()
+        self._outbox = Outbox(outbox_bytes)
         self._closed = False
         self._finishing = False  # half-closed and every session over: the writer's last flush
 
@@ -254,11 +250,11 @@ class Link:
             await asyncio.wait({sessions, writer}, return_when=asyncio.FIRST_COMPLETED)
             _raise_if_failed(writer)
             self._finishing = True  # the writer sends what is queued (the sessions' last statuses), then ends
-            self._out_ready.set()
+            self._outbox.ready.set()
             await writer
         finally:
             self._closed = True
-            self._room.set()
+            self._outbox.close()
             for task in (reader, writer, *self.tasks.values()):
                 task.cancel()
             await asyncio.gather(reader, writer, *self.tasks.values(), return_exceptions=True)
@@ -276,9 +272,7 @@ class Link:
                 if i and i % ROUTE_BATCH == 0:
                     await asyncio.sleep(0)
                 self._route(entry)
-            while self._out_bytes > self.outbox_bytes and not self._closed:
-                self._room.clear()
-                await self._room.wait()
+            await self._outbox.room()
             msg = await self.context.read()
 
     def _route(self, entry) -> None:
@@ -334,38 +328,27 @@ class Link:
     # -- out --
 
     async def send(self, stream_id: str, response) -> None:
-        while self._out_bytes > self.outbox_bytes and not self._closed:
-            self._room.clear()
-            await self._room.wait()
+        await self._outbox.room()
         if self._closed:
             raise asyncio.CancelledError()  # the link is gone: the session ends as a cancelled stream
-        self._queue(self.response_cls.Entry(stream_id=stream_id, response=response))
+        self._outbox.put(self.response_cls.Entry(stream_id=stream_id, response=response))
 
     def _send_status(self, stream_id: str, status: tuple) -> None:
         if self._closed:
             return
         code, kind, details = status
-        self._queue(self.response_cls.Entry(stream_id=stream_id, status=common_pb2.LinkStatus(
+        self._outbox.put(self.response_cls.Entry(stream_id=stream_id, status=common_pb2.LinkStatus(
             code=code.value[0], kind=kind, details=details)))
 
-    def _queue(self, entry) -> None:
-        size = entry.ByteSize()
-        self._out.append((entry, size))
-        self._out_bytes += size
-        self._out_ready.set()
-
     async def _write_loop(self) -> None:
-        while not self._finishing or self._out:
-            await self._out_ready.wait()
+        while not self._finishing or self._outbox:
+            await self._outbox.ready.wait()
             await asyncio.sleep(0)  # one more loop turn: the other sessions of a batched step write too
             await self._flush_all()
 
     async def _flush_all(self) -> None:
-        self._out_ready.clear()
-        entries, self._out, self._out_bytes = self._out, [], 0
-        self._room.set()
         metrics = self.runtime.metrics
-        for chunk in _chunks(entries, MESSAGE_BYTES):
+        for chunk in self._outbox.take():
             try:
                 await asyncio.wait_for(self.context.write(self.response_cls(entries=chunk)), self.write_timeout_s)
             except TimeoutError:
@@ -389,19 +372,6 @@ def _raise_if_failed(task: asyncio.Task) -> None:
     if not task.done() or task.cancelled() or (error := task.exception()) is None:
         return
     raise error
-
-
-def _chunks(entries: list, max_bytes: int):
-    """(entry, bytes) pairs -> consecutive runs of entries of at most max_bytes each (one alone may be larger)."""
-    chunk, size = [], 0
-    for e, n in entries:
-        if chunk and size + n > max_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(e)
-        size += n
-    if chunk:
-        yield chunk
 
 
 async def serve_link(runtime, context, response_cls, handler: Callable[[LinkPort], Awaitable[None]], **bounds) -> None:

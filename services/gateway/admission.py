@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from services.gateway.relay import OpenParams, Relay, RelayError, open_on_cells
+from services.gateway.relay import OpenParams, Relay, RelayError, RelayListener, open_on_cells
+
+if TYPE_CHECKING:
+    from services.gateway.context import GatewayContext
 
 log = logging.getLogger("gateway.admission")
 
@@ -58,8 +61,9 @@ class Releases:
         self._done = asyncio.Event()
 
 
-async def admit(ctx, make_params: Callable[[], OpenParams], prefer=None, wait: bool = True) -> Relay:
-    """Open a relay on the least loaded cell (`prefer` first). Raises RelayError.
+async def admit(ctx: GatewayContext, make_params: Callable[[], OpenParams], listener: RelayListener, prefer=None,
+                wait: bool = True) -> Relay:
+    """Open a relay on the least loaded cell (`prefer` first), telling `listener`. Raises RelayError.
     `wait=False`: a full pool is refused at once (the caller has a slot it can give up instead)."""
     cfg = ctx.config
     if (refusal := admission_error(ctx.pool)) is not None:
@@ -72,7 +76,7 @@ async def admit(ctx, make_params: Callable[[], OpenParams], prefer=None, wait: b
         if prefer is not None:
             cells = [prefer] + [c for c in cells if c is not prefer]
         try:
-            return await open_on_cells(cells, make_params, open_timeout_s=cfg.open_timeout_s,
+            return await open_on_cells(cells, make_params, listener, open_timeout_s=cfg.open_timeout_s,
                                        stall_timeout_s=cfg.stall_timeout_s, cleanup_timeout_s=cfg.cleanup_timeout_s)
         except RelayError as e:
             left = deadline - loop.time()
@@ -89,7 +93,7 @@ async def admit(ctx, make_params: Callable[[], OpenParams], prefer=None, wait: b
                 raise
 
 
-async def release(ctx, p: Relay, graceful: bool) -> bool:
+async def release(ctx: GatewayContext, p: Relay, graceful: bool) -> bool:
     """End a relay's streams (graceful: its queued frames still come out). True when confirmed."""
     ctx.releases.started()
     try:

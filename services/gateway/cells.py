@@ -53,7 +53,7 @@ class Cell:
     live_sessions: int = 0
     last_poll_ok: float = 0.0
     last_error: dict = field(default_factory=dict)  # stage -> why its last poll failed (logged on change)
-    link: object = None  # this process's relay.CellLink to the cell, made on the first session
+    link: object = None  # this process's links.CellLink to the cell, made on the first session
 
     @property
     def name(self) -> str:

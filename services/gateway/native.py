@@ -10,8 +10,10 @@ optional `seed`. The session is opened (prompt prefill included) while the HTTP 
 refusal is an HTTP status a client can act on, never a socket that opens and then closes:
 400 for what retrying cannot fix (bad query, unknown voice, persona the model cannot take),
 503 with Retry-After when every cell is full, draining or down.
-`NativeSession` is this wire's adapter on the shared session (session.py): it decodes Opus into the
-same 1920-sample frames as the Realtime wire and renders output frames as Opus pages and text pieces.
+`NativeSession` is this wire's adapter on the shared session (session.py) and its row in
+server.WS_ROUTES: it is made at the upgrade (the relay it opens there tells it), decodes Opus into
+the same 1920-sample frames as the Realtime wire and renders output frames as Opus pages and text
+pieces.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import sphn
 from websockets.asyncio.server import ServerConnection
+from websockets.http11 import Response
 
 from duplex.v1 import talker_pb2
 from services.gateway import audio
 from services.gateway.admission import release
+from services.gateway.context import GatewayContext
+from services.gateway.http_requests import json_response
 from services.gateway.realtime_wire import ClientError, resolve_voice
 from services.gateway.relay import OutputFrame, Relay, RelayError
 from services.gateway.session import ClientSession, open_relay
@@ -52,7 +57,7 @@ class Refusal:
 
 @dataclass
 class _Admitted:
-    session_id: str
+    session: "NativeSession"
     relay: Relay
     claimed: bool = False
 
@@ -67,7 +72,7 @@ def _in_background(coro) -> None:
     task.add_done_callback(_background.discard)
 
 
-async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -> Refusal | None:
+async def admit_at_upgrade(ctx: GatewayContext, conn: ServerConnection, query: dict[str, str]) -> Refusal | None:
     """Validate the query and open the session's relay while the HTTP upgrade waits."""
     cfg = ctx.config
     session_id = "chat_" + secrets.token_hex(8)
@@ -83,7 +88,8 @@ async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -
         return _refused(ctx, session_id, Refusal(400, {"type": "invalid_request_error", "code": "bad_event",
                                                        "message": why}))
     sampling = talker_pb2.Sampling(seed=int(seed))
-    opening = asyncio.ensure_future(open_relay(ctx, session_id, voice, persona, sampling))
+    session = NativeSession(conn, ctx, session_id)  # the relay's listener from its open on
+    opening = asyncio.ensure_future(open_relay(ctx, session, session_id, voice, persona, sampling))
     try:
         relay = await asyncio.shield(opening)
     except asyncio.CancelledError:  # the upgrade timed out or the server stops: release what opens later
@@ -99,7 +105,7 @@ async def admit_at_upgrade(ctx, conn: ServerConnection, query: dict[str, str]) -
         else:
             retry = RETRY_AFTER_FULL_S if e.code in ("resource_exhausted", "server_busy") else RETRY_AFTER_DOWN_S
         return _refused(ctx, session_id, Refusal(503, error, retry))
-    admitted = _Admitted(session_id, relay)
+    admitted = _Admitted(session, relay)
     setattr(conn, _ADMITTED_ATTR, admitted)
     _in_background(_release_if_unclaimed(ctx, conn, admitted))
     return None
@@ -119,7 +125,7 @@ async def _release_if_unclaimed(ctx, conn: ServerConnection, admitted: _Admitted
     await conn.wait_closed()
     if not admitted.claimed:
         admitted.claimed = True
-        log.info("chat %s: the client left before the session started; releasing", admitted.session_id)
+        log.info("chat %s: the client left before the session started; releasing", admitted.session.session_id)
         await release(ctx, admitted.relay, graceful=False)
 
 
@@ -127,12 +133,30 @@ class NativeSession(ClientSession):
     protocol = "native"
     log_tag = "chat"
 
-    def __init__(self, ws: ServerConnection, ctx, query: dict[str, str]):
-        self._admitted: _Admitted | None = getattr(ws, _ADMITTED_ATTR, None)
-        super().__init__(ws, ctx, self._admitted.session_id if self._admitted else "chat_" + secrets.token_hex(8))
+    def __init__(self, ws: ServerConnection, ctx: GatewayContext, session_id: str):
+        super().__init__(ws, ctx, session_id)
+        self._admitted: _Admitted | None = None  # the upgrade's admission, once the connection is upgraded
         self._opus_in = sphn.OpusStreamReader(audio.SAMPLE_RATE)
         self._granule: int | None = 0  # the input stream's last Ogg granule position (None: unknown)
         self._opus_out = sphn.OpusStreamWriter(audio.SAMPLE_RATE)
+
+    @classmethod
+    async def at_upgrade(cls, ctx: GatewayContext, conn: ServerConnection, query: dict[str, str]) -> Response | None:
+        """Refused here with an HTTP status, or opened (prompt prefill included) and handed to the session."""
+        refusal = await admit_at_upgrade(ctx, conn, query)
+        if refusal is None:
+            return None
+        retry = [("Retry-After", str(refusal.retry_after_s))] if refusal.retry_after_s else []
+        return json_response(refusal.status, {"error": refusal.error}, retry)
+
+    @classmethod
+    def for_connection(cls, ws: ServerConnection, ctx: GatewayContext, query: dict[str, str]) -> "NativeSession":
+        """The session the upgrade made (or one that ends at once: the connection was not admitted)."""
+        admitted: _Admitted | None = getattr(ws, _ADMITTED_ATTR, None)
+        if admitted is None:
+            return cls(ws, ctx, "chat_" + secrets.token_hex(8))
+        admitted.session._admitted = admitted
+        return admitted.session
 
     def _send(self, kind: int, payload: bytes) -> None:
         self.send(bytes([kind]) + payload)

@@ -5,9 +5,9 @@ responses (conversation.py): one open from the first accepted audio on; response
 truncate of its item ends it early (its unsent audio dropped) and the next opens at once.
 "Say this" (say.py): an assistant item's text, or a response.create's instructions, is spoken by the
 model in its voice; a barge-in drops what is not said yet.
-`RealtimeSession` is the wire's adapter on the shared session (session.py): it reads client events
-(parsed and validated by realtime_wire.py), keeps the settings and the conversation record, and
-renders output frames and endings as events.
+`RealtimeSession` is the wire's adapter on the shared session (session.py) and its row in
+server.WS_ROUTES: it reads client events (parsed and validated by realtime_wire.py), keeps the
+settings and the conversation record, and renders output frames and endings as events.
 
 Opening the way SDKs do: connecting with `?model=` takes a slot at once (session.created) but holds
 the prompt until the first session.update, the first audio or autostart_hold_ms; a session.update
@@ -33,13 +33,16 @@ import time
 from dataclasses import replace
 
 from websockets.asyncio.server import ServerConnection
+from websockets.http11 import Response
 
 from services.gateway.admission import RETRY_LATER
 from services.gateway.bounded import RecentIds, brief
+from services.gateway.context import GatewayContext
 from services.gateway.conversation import Conversation
+from services.gateway.http_requests import error_response
 from services.gateway.realtime_wire import (
-    MAX_OPERATION_ID_CHARS, ClientError, SessionSettings, append_operation_id, capabilities, client_event_id,
-    decode_append, error_event, heartbeat_ack, output_deltas, parse_connect_query, parse_event,
+    FALSE, MAX_OPERATION_ID_CHARS, TRUE, ClientError, SessionSettings, append_operation_id, capabilities,
+    client_event_id, decode_append, error_event, heartbeat_ack, output_deltas, parse_connect_query, parse_event,
     parse_item_create, parse_session_update, refusal, response_metadata, session_closed_event, session_object,
     settle_update_after_audio, truncate_end_ms)
 from services.gateway.relay import OutputFrame, Relay, RelayError
@@ -61,7 +64,7 @@ class RealtimeSession(ClientSession):
     protocol = "realtime"
     log_tag = "session"
 
-    def __init__(self, ws: ServerConnection, ctx, query: dict[str, str]):
+    def __init__(self, ws: ServerConnection, ctx: GatewayContext, query: dict[str, str]):
         connect = parse_connect_query(query, ctx.config.model)
         super().__init__(ws, ctx, connect.session_id)
         self.model = connect.model
@@ -99,6 +102,19 @@ class RealtimeSession(ClientSession):
             "input_audio_buffer.commit": self._on_no_op,
             "response.create": self._on_response_create,
         }
+
+    @classmethod
+    async def at_upgrade(cls, ctx: GatewayContext, conn: ServerConnection, query: dict[str, str]) -> Response | None:
+        duplex = query.get("duplex", "1").lower()
+        if duplex not in TRUE:
+            why = ("this server only speaks the duplex wire (duplex=1)" if duplex in FALSE
+                   else f"duplex={duplex!r} is not 1|true|on")
+            return error_response(400, "bad_request", why)
+        return None
+
+    @classmethod
+    def for_connection(cls, ws: ServerConnection, ctx: GatewayContext, query: dict[str, str]) -> "RealtimeSession":
+        return cls(ws, ctx, query)
 
     # ---- outbound -------------------------------------------------------------
 
@@ -159,7 +175,6 @@ class RealtimeSession(ClientSession):
         self.settings = self._prime_settings[0] = settings
         self.adopt(relay)
         self.says = SayRequests(relay.talk)
-        relay.on_say = self._on_say_answer
         self.count_opened()
         self.emit({"type": "session.created", "session": self._session_object()})
         if relay.live:
@@ -409,7 +424,7 @@ class RealtimeSession(ClientSession):
         except RelayError as e:  # the session's stages failed: its end follows
             raise ClientError(e.code, e.message, type_=e.error_type) from None
 
-    def _on_say_answer(self, resp) -> None:
+    def on_say_answer(self, resp) -> None:
         """The talker's answer to a say: a refusal becomes an error naming the event that asked."""
         refused = self.says.answered(resp)
         if refused is not None and not self.closing:
@@ -446,9 +461,8 @@ class RealtimeSession(ClientSession):
             self._emit_done_and_closed("cancelled")
 
     async def _on_close(self, event: dict) -> None:
-        if self.closing:
+        if not self.start_closing():
             return
-        self.closing = True
         relay = self.relay
         await self.flush_audio()
         await self.release(graceful=True)

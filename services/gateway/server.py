@@ -2,6 +2,8 @@
 
     /v1/realtime   WebSocket: the Realtime duplex wire (realtime.py); query duplex=1|true|on (or absent)
     /api/chat      WebSocket: PersonaPlex's native Ogg/Opus protocol (native.py)
+                   (the WebSocket paths are WS_ROUTES: path -> the wire's session class; a third wire is
+                   one ClientSession subclass and one row)
     /v1/realtime/client_secrets   POST with the API key: a short-lived client secret for a browser (auth.py)
     /health        readiness: 200 when some cell is serving and not draining, else 503 (body says why)
     /health/live   liveness: 200 while the process answers (a cell outage must not restart the gateway)
@@ -39,17 +41,23 @@ from services.gateway.cells import CellPool
 from services.gateway.client_address import client_address
 from services.gateway.client_connection import Limits, OpenSockets, connection_factory
 from services.gateway.config import GatewayConfig
+from services.gateway.context import GatewayContext
 from services.gateway.http_requests import BodyBudget, error_response, json_response, response
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.native import NativeSession, admit_at_upgrade
+from services.gateway.native import NativeSession
 from services.gateway.realtime import RealtimeSession
-from services.gateway.realtime_wire import FALSE, TRUE
+from services.gateway.session import ClientSession
 from services.gateway.voices import PREFIX as VOICES_PREFIX
 from services.gateway.voices import Voices
 
 log = logging.getLogger("gateway.server")
 
-WS_PATHS = ("/v1/realtime", "/api/chat")
+# A WebSocket path -> its wire's adapter: `at_upgrade` (checks before the 101) and `for_connection`
+# (the session `run` serves), both ClientSession classmethods.
+WS_ROUTES: dict[str, type[ClientSession]] = {
+    "/v1/realtime": RealtimeSession,
+    "/api/chat": NativeSession,
+}
 CLIENT_SECRETS_PATH = "/v1/realtime/client_secrets"
 CLIENT_SECRET_BODY_BYTES = 64 * 1024  # OpenAI's SDKs send a session config; it is read and ignored
 _CONTENT_TYPES = {
@@ -79,6 +87,7 @@ class Gateway:
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
         self.voices = Voices(config, self.pool, self.metrics)
         self.releases = Releases()
+        self.ctx = GatewayContext(config, self.pool, self.metrics, self.voices, self.releases)  # what sessions see
         self.tls = tls.server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         self.secrets = auth.ClientSecrets(config.api_key, config.client_secret_ttl_s, config.client_secret_rate,
                                           config.client_secret_burst)
@@ -145,7 +154,7 @@ class Gateway:
     async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
         path = url.path
-        if path in WS_PATHS:
+        if (route := WS_ROUTES.get(path)) is not None:
             if request.headers.get("Upgrade", "").lower() != "websocket":
                 return response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8",
                                 [("Upgrade", "websocket")])
@@ -165,17 +174,7 @@ class Gateway:
             self.sockets.admit(conn)
             query = dict(parse_qsl(url.query))
             self._bound_send_buffer(conn)
-            duplex = query.get("duplex", "1").lower()
-            if path == "/v1/realtime" and duplex not in TRUE:
-                why = ("this server only speaks the duplex wire (duplex=1)" if duplex in FALSE
-                       else f"duplex={duplex!r} is not 1|true|on")
-                return error_response(400, "bad_request", why)
-            if path == "/api/chat":  # refused here with an HTTP status, or opened and handed to the session
-                refusal = await admit_at_upgrade(self, conn, query)
-                if refusal is not None:
-                    retry = [("Retry-After", str(refusal.retry_after_s))] if refusal.retry_after_s else []
-                    return json_response(refusal.status, {"error": refusal.error}, retry)
-            return None  # go on with the WebSocket handshake
+            return await route.at_upgrade(self.ctx, conn, query)  # None: go on with the WebSocket handshake
         if path == CLIENT_SECRETS_PATH:
             return self._client_secret(request)
         if path == "/health":
@@ -241,7 +240,7 @@ class Gateway:
     async def _handle(self, ws: ServerConnection) -> None:
         url = urlsplit(ws.request.path)
         query = dict(parse_qsl(url.query))
-        session = RealtimeSession(ws, self, query) if url.path == "/v1/realtime" else NativeSession(ws, self, query)
+        session = WS_ROUTES[url.path].for_connection(ws, self.ctx, query)
         peer = ws.remote_address[0] if ws.remote_address else None
         log.info("%s %s from %s", url.path, session.session_id,
                  client_address(peer, ws.request.headers.get_all("X-Forwarded-For"), self.config.trusted_proxies))

@@ -2,23 +2,43 @@
 
 A `ClientSession` owns the session's relay to a cell (relay.py), its input frames, its bounded output
 queue and the one task that writes it to the socket, its idle clock, its error counting and its
-cleanup. A protocol subclasses it and only reads its wire and renders its events:
+cleanup. A protocol subclasses it and only reads its wire and renders its events. What it must
+implement (abstract):
 
+    for_connection(ws, ctx, query)   the session of an upgraded connection (a classmethod)
+    start()                  before the first client message: open or take the relay, greet
     on_message(message)      one client message (RelayError from push_audio is the base's to swallow)
     render_output(frame)     queue one output frame's messages; False when there is nowhere to show it
     send_error(type, code, message)   queue one error (a stage failure, an idle timeout)
+    on_idle(limit)           the client sent nothing for too long: the wire's last words (close 1008)
+
+and what it may (no-ops here):
+
+    at_upgrade(ctx, conn, query)   before the 101: an HTTP answer refuses the upgrade (a classmethod)
     on_relay_failure(err)    after a stage failure's error and the release: the wire's last words; the
                              close is 1011 with the error code unless this ends the session itself
-    on_idle(limit)           the client sent nothing for too long: the wire's last words (close 1008)
-    start()                  before the first client message: open or take the relay, greet
+    on_prompt_live()         the relay's latest prompt went live
+    on_prime_refused(n, err) the talker refused a re-prime's settings
+    on_say_answer(answer)    the talker's answer to a say (say.py)
 
-Threading: everything runs on the event loop; the relay calls `_on_output` and `_on_relay_error` from
-its link tasks, so they only queue and never wait.
+The session is the relay's listener (relay.RelayListener): it is given to the open, and events of a
+relay it does not hold yet are dropped; `adopt` reads a failure that came before.
+
+Status (`SessionStatus`; the legal moves are `_NEXT`, in one place):
+
+    WAITING <-> OPENING -> LIVE -> CLOSING -> ENDED | CUT_OFF
+    WAITING -> LIVE (opened at the upgrade), and ENDED or CUT_OFF from any status before them
+    (CLOSING not from OPENING: nothing can close a session while its open is in flight)
+
+Threading: everything runs on the event loop; the relay calls the `relay_*` methods from its link
+tasks, so they only queue and never wait.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import enum
 import logging
 import secrets
 import time
@@ -27,12 +47,15 @@ from typing import Awaitable
 import numpy as np
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Response
 
 from duplex.v1 import talker_pb2
+from services.common.status import transition
 from services.gateway import audio
 from services.gateway.admission import admit, release
 from services.gateway.bounded import OutputQueue
-from services.gateway.relay import PRELIVE_FRAMES, OpenParams, OutputFrame, Relay, RelayError
+from services.gateway.context import GatewayContext
+from services.gateway.relay import PRELIVE_FRAMES, OpenParams, OutputFrame, Relay, RelayError, RelayListener
 
 # Client errors logged per session (at INFO); past that they are only counted (a flood is one line).
 LOGGED_CLIENT_ERRORS = 20
@@ -40,64 +63,126 @@ LOGGED_CLIENT_ERRORS = 20
 FINAL_FLUSH_S = 2.0
 
 
-async def open_relay(ctx, session_id: str, voice: str, persona: str, sampling: talker_pb2.Sampling,
-                     prefer=None, wait: bool = True, hold_prompt_ms: int = 0) -> Relay:
+async def open_relay(ctx: GatewayContext, listener: RelayListener, session_id: str, voice: str, persona: str,
+                     sampling: talker_pb2.Sampling, prefer=None, wait: bool = True, hold_prompt_ms: int = 0) -> Relay:
     """Admit a session on a cell (admission.admit). An enrolled voice's samples are read off the
     event loop and travel with the open. `hold_prompt_ms`: open on hold (relay.py). Raises RelayError."""
     voice, voice_audio = await asyncio.to_thread(ctx.voices.for_open, voice)
     params = lambda: OpenParams(f"{session_id}.{secrets.token_hex(4)}", voice, persona,  # noqa: E731
                                 sampling, voice_audio, ctx.config.early_outputs, hold_prompt_ms)
-    return await admit(ctx, params, prefer, wait=wait)
+    return await admit(ctx, params, listener, prefer, wait=wait)
 
 
-class ClientSession:
+class SessionStatus(enum.Enum):
+    WAITING = "waiting"  # connected, no relay held: the idle-connection clock runs
+    OPENING = "opening"  # an open is in flight: never idle meanwhile (a prefill may take a while)
+    LIVE = "live"  # holds a relay: the no-audio clock runs
+    CLOSING = "closing"  # ending (client close, idle, a stage failure): no new input or settings
+    ENDED = "ended"  # end() was called: the socket closes with its code once `run` has cleaned up
+    CUT_OFF = "cut_off"  # ended because the client does not read: what is queued is not flushed
+
+
+S = SessionStatus
+_NEXT: dict[SessionStatus, frozenset[SessionStatus]] = {
+    S.WAITING: frozenset({S.OPENING, S.LIVE, S.CLOSING, S.ENDED, S.CUT_OFF}),  # LIVE: opened at the upgrade
+    S.OPENING: frozenset({S.WAITING, S.LIVE, S.ENDED, S.CUT_OFF}),  # WAITING: refused
+    S.LIVE: frozenset({S.CLOSING, S.ENDED, S.CUT_OFF}),
+    S.CLOSING: frozenset({S.ENDED, S.CUT_OFF}),
+    S.ENDED: frozenset(),  # the first end's code stands
+    S.CUT_OFF: frozenset(),
+}
+_OVER = frozenset({S.ENDED, S.CUT_OFF})
+
+
+def advance(status: SessionStatus, to: SessionStatus) -> SessionStatus:
+    """`to`, if a session in `status` may move there; else IllegalTransition."""
+    return transition(_NEXT, status, to)
+
+
+class ClientSession(abc.ABC):
     protocol = ""  # the metrics' protocol label; also names the logger (gateway.<protocol>)
     log_tag = "session"  # how log lines name one of these sessions
 
-    def __init__(self, ws: ServerConnection, ctx, session_id: str):
-        self.ws, self.ctx, self.cfg = ws, ctx, ctx.config  # ctx: server.Gateway (config, pool, metrics)
+    def __init__(self, ws: ServerConnection, ctx: GatewayContext, session_id: str):
+        self.ws, self.ctx, self.cfg = ws, ctx, ctx.config
         self.session_id = session_id
         self.log = logging.getLogger(f"gateway.{self.protocol}")
         self.relay: Relay | None = None
-        self.closing = False  # the session is ending: no new input or settings
+        self.status = SessionStatus.WAITING
         self.frames_out = 0  # output frames rendered to the client
         self.cleanup_confirmed: bool | None = None
         self._out = OutputQueue(self.cfg.output_queue_events, self.cfg.output_queue_bytes)
-        self._ended = asyncio.Event()
+        self._ended = asyncio.Event()  # set with ENDED or CUT_OFF: `run` stops waiting
         self._close_code, self._close_reason = 1000, "session closed"
-        self._slow_client = False
         self._assembler = audio.FrameAssembler()
         self._audio_at = time.monotonic()  # connect, open, or the last audio message: the idle clock
-        self._opening = 0  # opens in flight (never idle meanwhile: a prefill may take a while)
         self._client_errors = 0
         self._release_task: asyncio.Future | None = None
         self._bg: set[asyncio.Task] = set()
 
+    # ---- the route (server.WS_ROUTES: path -> one of these classes) -----------------------------
+
+    @classmethod
+    async def at_upgrade(cls, ctx: GatewayContext, conn: ServerConnection, query: dict[str, str]) -> Response | None:
+        """Before the 101, after the shared checks (key, connection cap): an HTTP answer refuses the
+        upgrade; None goes on with the handshake."""
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    def for_connection(cls, ws: ServerConnection, ctx: GatewayContext, query: dict[str, str]) -> ClientSession:
+        """The session of an upgraded connection (`run` serves it)."""
+
     # ---- the wire's part -----------------------------------------------------------------------
 
+    @abc.abstractmethod
     async def start(self) -> None:
-        pass
+        """Before the first client message: open or take the relay, greet."""
 
+    @abc.abstractmethod
     async def on_message(self, message: str | bytes) -> None:
-        raise NotImplementedError
+        """One client message."""
 
+    @abc.abstractmethod
     def render_output(self, frame: OutputFrame) -> bool:
-        raise NotImplementedError
+        """Queue one output frame's messages; False when there is nowhere to show it."""
 
+    @abc.abstractmethod
     def send_error(self, type_: str, code: str, message: str) -> None:
-        raise NotImplementedError
+        """Queue one error event."""
+
+    @abc.abstractmethod
+    async def on_idle(self, limit: float) -> None:
+        """The client sent nothing for `limit` seconds: the wire's last words before close 1008."""
 
     async def on_relay_failure(self, err: RelayError) -> None:
-        pass
-
-    async def on_idle(self, limit: float) -> None:
-        pass
+        """After a stage failure's error and the release: the wire's last words (close 1011 follows)."""
 
     def on_prompt_live(self) -> None:
         """The relay's latest prompt went live (a held open's or a re-prime's): frames flow now."""
 
     def on_prime_refused(self, prime: int, err: RelayError) -> None:
         """The talker refused a re-prime's settings; the session goes on with the prompt it had."""
+
+    def on_say_answer(self, answer: talker_pb2.TalkResponse) -> None:
+        """The talker's say_done or say_refused (services/gateway/say.py)."""
+
+    # ---- status --------------------------------------------------------------------------------
+
+    def _to(self, status: SessionStatus) -> None:
+        self.status = advance(self.status, status)
+
+    @property
+    def closing(self) -> bool:
+        """The session is ending: no new input or settings."""
+        return self.status in (SessionStatus.CLOSING, *_OVER)
+
+    def start_closing(self) -> bool:
+        """Move to CLOSING (a close, an idle timeout, a stage failure). False: it is ending already."""
+        if self.closing:
+            return False
+        self._to(SessionStatus.CLOSING)
+        return True
 
     # ---- run -----------------------------------------------------------------------------------
 
@@ -125,7 +210,11 @@ class ClientSession:
     def end(self, code: int, reason: str) -> None:
         """End the session; the socket closes with this code once `run` has cleaned up. The first
         end's code stands (a client cut off while its close is handled stays cut off)."""
-        if not self._ended.is_set():
+        self._finish(SessionStatus.ENDED, code, reason)
+
+    def _finish(self, status: SessionStatus, code: int, reason: str) -> None:
+        if self.status not in _OVER:
+            self._to(status)
             self._close_code, self._close_reason = code, reason
             self._ended.set()
 
@@ -140,7 +229,7 @@ class ClientSession:
             try:
                 await self.on_message(message)
             except RelayError:
-                pass  # already reported through the relay's on_error
+                pass  # already reported through relay_failed
             if self._ended.is_set():
                 return
 
@@ -152,11 +241,10 @@ class ClientSession:
             return
         while not self.closing:
             await asyncio.sleep(min(1.0, min(limits) / 4))
-            if self._opening:
+            if self.status is SessionStatus.OPENING:
                 continue
             limit = self.cfg.idle_connection_timeout_s if self.relay is None else self.cfg.idle_session_timeout_s
-            if limit > 0 and time.monotonic() - self._audio_at > limit and not self.closing:
-                self.closing = True
+            if limit > 0 and time.monotonic() - self._audio_at > limit and self.start_closing():
                 await self.on_idle(limit)
                 self.end(1008, "idle timeout")
                 return
@@ -178,14 +266,13 @@ class ClientSession:
         return message
 
     def _cut_off(self) -> None:
-        if self._ended.is_set():
+        if self.status in _OVER:
             return
         self.log.warning("%s %s cut off: client is not reading (%d messages, %d bytes queued)", self.log_tag,
                          self.session_id, self._out.qsize(), self._out.bytes)
         self.ctx.metrics.slow_client_cutoffs.inc()
         self.ctx.metrics.errors.labels("server_error", "slow_client").inc()
-        self._slow_client = True
-        self.end(1008, "client not reading output")
+        self._finish(SessionStatus.CUT_OFF, 1008, "client not reading output")
 
     async def _write_loop(self) -> None:
         while (msg := await self._out.get()) is not None:
@@ -194,7 +281,7 @@ class ClientSession:
     async def _finish_writer(self, writer: asyncio.Task) -> None:
         # Whatever is queued (an error, the last events) reaches the client, unless the client is
         # the reason the queue is full.
-        if not self._slow_client and not writer.done():
+        if self.status is not SessionStatus.CUT_OFF and not writer.done():
             try:
                 self._out.finish()
                 await asyncio.wait_for(asyncio.shield(writer), FINAL_FLUSH_S)
@@ -203,13 +290,6 @@ class ClientSession:
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
         await self.ws.close(self._close_code, self._close_reason)
-
-    def _on_output(self, f: OutputFrame) -> None:
-        if self._ended.is_set() or not self.render_output(f):
-            return
-        self.frames_out += 1
-        self.ctx.metrics.frames_out.inc()
-        self.ctx.metrics.frame_latency.observe(f.latency_s)
 
     def count_error(self, type_: str, code: str, message: str) -> None:
         """Count and log one error the wire is about to send (logged up to LOGGED_CLIENT_ERRORS)."""
@@ -261,22 +341,28 @@ class ClientSession:
 
     async def open_relay(self, voice: str, persona: str, sampling: talker_pb2.Sampling, prefer=None,
                          wait: bool = True, hold_prompt_ms: int = 0) -> Relay:
-        self._opening += 1
+        """Open a relay that tells this session; the caller adopts it. Raises RelayError."""
+        self._to(SessionStatus.OPENING)
         try:
-            return await open_relay(self.ctx, self.session_id, voice, persona, sampling, prefer, wait,
+            return await open_relay(self.ctx, self, self.session_id, voice, persona, sampling, prefer, wait,
                                     hold_prompt_ms)
-        finally:
-            self._opening -= 1
+        except BaseException:
+            if self.status is SessionStatus.OPENING:
+                self._to(SessionStatus.WAITING)
+            raise
 
     def adopt(self, relay: Relay) -> None:
-        """The session holds `relay` now: it counts in the active gauge until `release`."""
-        relay.on_output = self._on_output
-        relay.on_error = self._on_relay_error
-        relay.on_ready = lambda ready: self.on_prompt_live()
-        relay.on_prime_refused = self.on_prime_refused
+        """The session holds `relay` (opened with this session as its listener) now: it counts in the
+        active gauge until `release`. A relay that failed before it was taken (a stage that errored
+        right after accepting the open: the failure found no holder) is reported now as a link task
+        would have, one loop turn later, so the wire's greeting goes first."""
         self.relay = relay
+        if self.status in (SessionStatus.WAITING, SessionStatus.OPENING):
+            self._to(SessionStatus.LIVE)
         self._audio_at = time.monotonic()  # the no-audio clock starts at open
         self.ctx.metrics.sessions_active.labels(self.protocol).inc()
+        if relay.failed is not None:
+            asyncio.get_running_loop().call_soon(self._on_relay_error, relay.failed)
 
     def count_opened(self) -> None:
         relay = self.relay
@@ -302,11 +388,35 @@ class ClientSession:
                       self.session_id, relay.frames_in, relay.frames_out, relay.latency_summary(),
                       "confirmed" if self.cleanup_confirmed else "NOT confirmed")
 
-    def _on_relay_error(self, err: RelayError) -> None:
-        # Called from a link task: report now (within the second), end in the background.
-        if self._ended.is_set() or self.closing:
+    # ---- the relay's listener (relay.RelayListener): called from link tasks, they only queue -------
+
+    def relay_output(self, f: OutputFrame) -> None:
+        if self.relay is None or self.status in _OVER or not self.render_output(f):
             return
-        self.closing = True
+        self.frames_out += 1
+        self.ctx.metrics.frames_out.inc()
+        self.ctx.metrics.frame_latency.observe(f.latency_s)
+
+    def relay_failed(self, err: RelayError) -> None:
+        if self.relay is not None:  # else not taken yet: adopt reads relay.failed
+            self._on_relay_error(err)
+
+    def relay_live(self, ready: talker_pb2.TalkReady) -> None:
+        if self.relay is not None:
+            self.on_prompt_live()
+
+    def relay_prime_refused(self, prime: int, err: RelayError) -> None:
+        if self.relay is not None:
+            self.on_prime_refused(prime, err)
+
+    def relay_say(self, answer: talker_pb2.TalkResponse) -> None:
+        if self.relay is not None:
+            self.on_say_answer(answer)
+
+    def _on_relay_error(self, err: RelayError) -> None:
+        # Report now (within the second), end in the background.
+        if not self.start_closing():
+            return
         self.send_error(err.error_type, err.code, err.message)
         self.in_background(self._end_after_failure(err))
 

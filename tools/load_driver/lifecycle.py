@@ -34,7 +34,7 @@ from .load import (
     paced_send,
 )
 from .session import (
-    RealtimeSession,
+    RawRealtimeClient,
     SessionLost,
     created_session,
     error_code_of,
@@ -83,7 +83,7 @@ class Lifecycle:
             self.progress.note(message)
 
     async def open(self, persona: str) -> tuple[SessionRun, dict[str, Any]]:
-        run = SessionRun(len(self.runs), RealtimeSession(self.url, cleanup_timeout_s=self.config.cleanup_timeout_s))
+        run = SessionRun(len(self.runs), RawRealtimeClient(self.url, cleanup_timeout_s=self.config.cleanup_timeout_s))
         self.runs.append(run)
         await run.session.connect(self.config.timeout_s)
         update = session_update(

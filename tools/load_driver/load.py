@@ -33,7 +33,7 @@ from .metrics import Send, timing_metrics
 from .refusal import Refusal, event_refusal
 from .session import (
     OPEN_ANSWER,
-    RealtimeSession,
+    RawRealtimeClient,
     SessionLost,
     capabilities_of,
     error_code_of,
@@ -90,7 +90,7 @@ class SessionRun:
     call dials again on a fresh `session`; the row reports the last one."""
 
     index: int
-    session: RealtimeSession
+    session: RawRealtimeClient
     line: int = 0  # the caller's line (arrivals: a line's callers follow each other; else = index)
     call: int = 0  # the call's number on its line
     dialed_at_s: float | None = None  # when the traffic plan had it dial (time.monotonic())
@@ -117,7 +117,7 @@ def encoded_frames(pcm: np.ndarray, input_format: str) -> list[str]:
     return [json.dumps(append_event(pcm, seq, input_format)) for seq in range(frame_count(pcm))]
 
 
-def check_alive(session: RealtimeSession, expected_errors: int = 0) -> None:
+def check_alive(session: RawRealtimeClient, expected_errors: int = 0) -> None:
     """Fail fast on anything that already makes the session fail."""
     if len(session.errors()) > expected_errors:
         raise SessionFailure(f"server error event ({', '.join(session.error_codes())})")
@@ -243,7 +243,7 @@ async def close_politely(run: SessionRun, cleanup_timeout_s: float) -> None:
         run.cleanup_error = f"cleanup: {type(exc).__name__}"
 
 
-def killed_by(session: RealtimeSession) -> str | None:
+def killed_by(session: RawRealtimeClient) -> str | None:
     """What ended an admitted session on the server's side: its first server_error's code, or the
     close it did not ask for; None when it was not ended so."""
     for event in session.errors():
@@ -370,8 +370,8 @@ def mark_shared_response_ids(rows: list[dict[str, Any]]) -> list[str]:
     return shared
 
 
-def new_session(config: DriverConfig) -> RealtimeSession:
-    return RealtimeSession(realtime_url(config.url, config.model, config.open),
+def new_session(config: DriverConfig) -> RawRealtimeClient:
+    return RawRealtimeClient(realtime_url(config.url, config.model, config.open),
                            cleanup_timeout_s=config.cleanup_timeout_s)
 
 

@@ -60,7 +60,7 @@ def session_update(*, model: str | None, voice: str, persona: str, input_format:
     return {"type": "session.update", "session": session}
 
 
-class RealtimeSession:
+class RawRealtimeClient:
     """A raw-event Realtime connection. `events[i]` arrived at `received_at[i]` (time.monotonic())."""
 
     def __init__(self, url: str, *, cleanup_timeout_s: float) -> None:
