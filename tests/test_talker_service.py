@@ -727,7 +727,8 @@ async def test_forced_catch_ups_and_lagging_sessions_are_counted_and_the_lag_is_
         finally:
             await close_all(clock)
     with pytest.raises(ValueError, match="catch_up_lag_frames"):
-        ConversationClock(clock.engine, clock.pool, tick_s=0.08, max_backlog_frames=25, catch_up_lag_frames=0)
+        ConversationClock(clock.engine, clock.pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64,
+                          catch_up_lag_frames=0)
 
 
 async def test_slow_ticks_and_the_periods_the_clock_drops_are_counted(tiny_checkpoint):

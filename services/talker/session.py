@@ -57,16 +57,15 @@ class SessionStatus(enum.Enum):
         return self in (SessionStatus.ENDED, SessionStatus.FAILED, SessionStatus.CLOSED)
 
 
-_S = SessionStatus
 # Every status may close (the servicer closes the session however it ended, a reprime closes the
 # old one); an error can come until the stream's outcome is decided.
 TRANSITIONS: dict[SessionStatus, frozenset[SessionStatus]] = {
-    _S.HELD: frozenset({_S.PREFILLING, _S.FAILED, _S.CLOSED}),
-    _S.PREFILLING: frozenset({_S.LIVE, _S.FAILED, _S.CLOSED}),
-    _S.LIVE: frozenset({_S.ENDED, _S.FAILED, _S.CLOSED}),
-    _S.ENDED: frozenset({_S.CLOSED}),
-    _S.FAILED: frozenset({_S.CLOSED}),
-    _S.CLOSED: frozenset(),
+    SessionStatus.HELD: frozenset({SessionStatus.PREFILLING, SessionStatus.FAILED, SessionStatus.CLOSED}),
+    SessionStatus.PREFILLING: frozenset({SessionStatus.LIVE, SessionStatus.FAILED, SessionStatus.CLOSED}),
+    SessionStatus.LIVE: frozenset({SessionStatus.ENDED, SessionStatus.FAILED, SessionStatus.CLOSED}),
+    SessionStatus.ENDED: frozenset({SessionStatus.CLOSED}),
+    SessionStatus.FAILED: frozenset({SessionStatus.CLOSED}),
+    SessionStatus.CLOSED: frozenset(),
 }
 
 
