@@ -130,9 +130,7 @@ class TalkerConfig(StageConfig):
                              f"and {self.voice_cache_bytes}")
         if self.max_persona_chars < 1:
             raise ValueError(f"max_persona_chars must be >= 1, got {self.max_persona_chars}")
-        if self.max_say_chars < 1 or self.max_say_tokens < 1 or self.say_max_wait_frames < 0:
-            raise ValueError(f"max_say_chars and max_say_tokens must be >= 1 and say_max_wait_frames >= 0, got "
-                             f"{self.max_say_chars}, {self.max_say_tokens}, {self.say_max_wait_frames}")
+        say.check_bounds(self.max_say_tokens, self.say_max_wait_frames, self.max_say_chars)
 
     @property
     def voices_to_preload(self) -> tuple[str, ...]:
