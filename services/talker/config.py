@@ -58,8 +58,8 @@ class TalkerConfig(StageConfig):
     # Below it a session stays that many frames late; at it the tick runs late. The H200 profile
     # (k8s/overlays/gpu) sets 3: at 160 sessions a catch-up step rarely fits in the period, and with 2
     # the forced ones made the ticks miss their target (bench/RESULTS.md, front door runs 12-17).
-    catch_up_lag_frames: int = option(LAG_FRAMES, help="frames behind a session must be for a catch-up step past "
-                                              "the deadline")
+    catch_up_lag_frames: int = option(LAG_FRAMES, help="frames behind a session must be for a catch-up step "
+                                                       "past the deadline")
     # Admission looks at the prefill queue: a caller whose first audio would come this late is told to
     # retry (RESOURCE_EXHAUSTED prefill_busy, with a retry hint) before its slot is taken. Off by default
     # (a CPU's prefill is slow and uneven); the GPU profile (k8s/overlays/gpu) sets 2 s.
