@@ -23,6 +23,9 @@ from services.common.checkpoint import CheckpointPaths
 from services.common.stage_server import ADMIN_TOKEN_ENV
 from services.talker.config import TalkerConfig
 from services.talker.server import TalkerService
+from services.talker.session import SessionStatus
+
+LIVE = SessionStatus.LIVE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -632,7 +635,7 @@ async def live_sessions(clock, *names: str, voice=None, persona: str = "", early
     sessions = [clock.open(n, clock.pool.acquire(), voice, persona, SamplingParams(greedy=True, seed=1), 1,
                            early_outputs) for n in names]
     await clock.prefill_in_slack(asyncio.get_running_loop().time() + 10)
-    assert all(s.live for s in sessions)
+    assert all(s.status is LIVE for s in sessions)
     return sessions
 
 
@@ -724,7 +727,8 @@ async def test_forced_catch_ups_and_lagging_sessions_are_counted_and_the_lag_is_
         finally:
             await close_all(clock)
     with pytest.raises(ValueError, match="catch_up_lag_frames"):
-        ConversationClock(clock.engine, clock.pool, tick_s=0.08, max_backlog_frames=25, catch_up_lag_frames=0)
+        ConversationClock(clock.engine, clock.pool, tick_s=0.08, max_backlog_frames=25, prefill_chunk_frames=64,
+                          catch_up_lag_frames=0)
 
 
 async def test_slow_ticks_and_the_periods_the_clock_drops_are_counted(tiny_checkpoint):
@@ -739,7 +743,7 @@ async def test_slow_ticks_and_the_periods_the_clock_drops_are_counted(tiny_check
     clock.start()
     try:
         sess = clock.open("slow", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
-        while not sess.live:  # prefilled while the clock sleeps
+        while sess.status is not LIVE:  # prefilled while the clock sleeps
             await asyncio.sleep(0.01)
         assert value(metrics, "duplex_talker_ticks_dropped_total") == 0
         for i, f in enumerate(user_frames(3, 2)):
@@ -811,9 +815,10 @@ async def test_prefill_pieces_run_alone_in_the_slack_while_they_fit_and_only_fai
         await clock.prefill_in_slack(loop.time() + 0.005)  # less than the headroom: no piece fits
         assert mine.job is None and not mine.pieces_ms and not bad.pieces_ms
         await clock.prefill_in_slack(loop.time() + 10)  # plenty of slack: every waiting prompt
-        assert mine.live and len(mine.pieces_ms) == 1  # its whole prompt: one chunk
+        assert mine.status is LIVE and len(mine.pieces_ms) == 1  # its whole prompt: one chunk
         assert isinstance(mine.outbox.get_nowait(), Ready)
-        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed and first.live
+        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.status is SessionStatus.FAILED
+        assert first.status is LIVE
         frames = user_frames(14, 3)
         got = await talk_beside(clock, mine, first, frames, first_seq=0)  # mine beside first, as if alone
         assert got == reference_outputs(tiny_checkpoint, mine_slot, voice, PERSONA, frames)
@@ -844,14 +849,14 @@ async def test_a_prefill_piece_rides_the_main_step_and_only_fails_its_own_sessio
         clock.push(first, 1, frames[1])  # a frame behind: a catch-up step follows the main step
         assert await clock.tick(loop.time() + 10) == 2
         # The main step carried bad's piece (the oldest waiting): refused, bad alone fails.
-        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.failed
+        assert isinstance(bad.outbox.get_nowait(), InvalidVoice) and bad.status is SessionStatus.FAILED
         assert not first.inputs and clock.steps == 2  # both of first's frames stepped
         assert mine.job is None and not mine.pieces_ms  # the catch-up step carried none
         await clock.prefill_in_slack(loop.time() + 0.001)  # a slack that holds no piece runs none
         assert mine.job is None and not mine.pieces_ms
         clock.push(first, 2, frames[2])
         assert await clock.tick(loop.time() + 10) == 1
-        assert mine.live and len(mine.pieces_ms) == 1  # its whole prompt: one chunk, riding the step
+        assert mine.status is LIVE and len(mine.pieces_ms) == 1  # its whole prompt: one chunk, riding the step
         assert isinstance(mine.outbox.get_nowait(), Ready) and clock.steps == 3
         assert value(metrics, "duplex_talker_prefill_pieces_total", where="step") == 2
         assert value(metrics, "duplex_talker_prefill_pieces_total", where="alone") == 1
@@ -876,11 +881,11 @@ async def test_a_session_that_ended_gets_no_more_prefill(tiny_checkpoint):
         clock.input_done(a)
         await clock.tick(loop.time() + 10)  # a's last frame: END
         items = [a.outbox.get_nowait() for _ in range(a.outbox.qsize())]
-        assert items[-1] is END and not a.live
+        assert items[-1] is END and a.status is SessionStatus.ENDED
         waiting = clock.open("c", clock.pool.acquire(), None, "", SamplingParams(greedy=True, seed=1), 1)
         clock.push(b, 0, user_frames(1, 4)[0])
         assert await clock.tick(loop.time() + 10) == 1
-        assert waiting.live and isinstance(waiting.outbox.get_nowait(), Ready)
+        assert waiting.status is LIVE and isinstance(waiting.outbox.get_nowait(), Ready)
         assert a.outbox.empty() and not a.pieces_ms[1:]  # its one piece: the prompt before it talked
     finally:
         await close_all(clock)
@@ -966,7 +971,7 @@ async def test_stepping_ahead_runs_step_k_before_input_k_and_answers_it_when_inp
         sess, = await live_sessions(clock, "ahead", persona="Hi.")
         sess.outbox.get_nowait()  # Ready
         assert await clock.tick(loop.time() + 10) == 1  # step 0, before any input
-        assert sess.outbox.empty() and sess.held is not None and sess.held.input_seq == 0
+        assert sess.outbox.empty() and sess.pairing.held is not None and sess.pairing.held.input_seq == 0
         outs = []
         for i, f in enumerate(frames):
             clock.push(sess, i, f)
@@ -974,7 +979,7 @@ async def test_stepping_ahead_runs_step_k_before_input_k_and_answers_it_when_inp
             assert sess.outbox.empty()
             assert await clock.tick(loop.time() + 10) == 1  # step i + 1, with input i
         clock.input_done(sess)
-        assert sess.outbox.get_nowait() is END and sess.held is None
+        assert sess.outbox.get_nowait() is END and sess.pairing.held is None
         assert [o.input_seq for o in outs] == list(range(5))
         want = reference_outputs(tiny_checkpoint, sess.slot, None, "Hi.", frames)
         assert [(o.text_token, o.agent_codes) for o in outs] == want
@@ -1018,7 +1023,7 @@ async def test_early_outputs_leave_at_their_steps_end_and_the_surplus_only_if_it
             sess.outbox.get_nowait()  # Ready
         assert await clock.tick(loop.time() + 10) == 1  # step 0 of both, before any input
         # Output 0 waits for the session's first frame: until then its prompt may still be re-primed.
-        assert all(s.outbox.empty() and s.held is not None for s in (early, late))
+        assert all(s.outbox.empty() and s.pairing.held is not None for s in (early, late))
         got = {s.stream_id: [] for s in (early, late)}
         for i, f in enumerate(frames):
             for sess in (early, late):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.talker.clock import slow_tick_cause
-from services.talker.session import Session
+from services.talker.session import Session, SessionStatus
 from services.talker.tick_policy import CatchUp, TickPolicy
 
 TICK = 0.08
@@ -14,9 +14,12 @@ HEADROOM = 0.008  # a tenth of the period
 CATCH_UP_HEADROOM = 0.0024  # 3 % of it: a catch-up step's (a graph of fixed rows, its time measured)
 
 
-def session(name: str = "s", *, live: bool = True, queued: int = 0, last_input_at: float = float("-inf"),
+LIVE, PREFILLING = SessionStatus.LIVE, SessionStatus.PREFILLING
+
+
+def session(name: str = "s", *, status: SessionStatus = LIVE, queued: int = 0, last_input_at: float = float("-inf"),
             **fields) -> Session:
-    s = Session(stream_id=name, slot=0, voice=None, persona="", sampling=None, seed=1, live=live,
+    s = Session(stream_id=name, slot=0, voice=None, persona="", sampling=None, seed=1, status=status,
                 last_input_at=last_input_at, **fields)
     s.inputs.extend((i, [0] * 8) for i in range(queued))
     return s
@@ -67,11 +70,12 @@ def test_only_a_talking_live_session_with_nothing_queued_is_waited_for():
     assert not policy.frame_due(session(last_input_at=now - 0.121), now)  # quiet for over 1.5 periods
     assert not policy.frame_due(session(last_input_at=now - 0.01, queued=1), now)  # its frame is here
     assert not policy.frame_due(session(last_input_at=now - 0.01, input_done=True), now)  # no more frames
-    assert not policy.frame_due(session(last_input_at=now - 0.01, live=False), now)  # not stepped yet
+    assert not policy.frame_due(session(last_input_at=now - 0.01, status=PREFILLING), now)  # not stepped yet
 
 
 def test_a_step_takes_live_sessions_with_a_frame_and_the_lag_counts_frames_besides_it():
-    a, b, idle, opening = session("a", queued=3), session("b", queued=1), session("idle"), session(live=False, queued=2)
+    a, b, idle = session("a", queued=3), session("b", queued=1), session("idle")
+    opening = session(status=PREFILLING, queued=2)
     batch = TickPolicy.batch([a, b, idle, opening])
     assert batch == [a, b]
     assert TickPolicy.lags(batch) == {a: 2, b: 0}
@@ -189,10 +193,11 @@ def test_a_prefill_piece_that_would_not_fit_is_not_run():
 
 
 def test_the_next_prompt_is_the_oldest_still_waiting():
-    live, failed = session("live"), session("failed", live=False, failed=True)
-    closed, ended = session("closed", live=False, closed=True), session("ended", live=False, ended=True)
-    first, second = session("first", live=False), session("second", live=False)
-    assert TickPolicy.next_prompt([live, failed, closed, ended, first, second]) is first
+    live, failed = session("live"), session("failed", status=SessionStatus.FAILED)
+    closed, ended = session("closed", status=SessionStatus.CLOSED), session("ended", status=SessionStatus.ENDED)
+    held = session("held", status=SessionStatus.HELD)
+    first, second = session("first", status=PREFILLING), session("second", status=PREFILLING)
+    assert TickPolicy.next_prompt([live, failed, closed, ended, held, first, second]) is first
     assert TickPolicy.next_prompt([live, ended]) is None
 
 
@@ -212,10 +217,9 @@ def test_the_prefill_queue_estimate_is_bounded_and_recovers_when_the_queue_is_id
 
     q = PrefillQueue(tick_s=0.08, chunk_frames=64)
     assert q.wait_s([]) == pytest.approx(PIECES_PER_PROMPT * UNMEASURED_INTERVAL_PERIODS * 0.08)
-    waiting = SimpleNamespace(waiting_for_prompt=True, on_hold=False, job=SimpleNamespace(total_frames=200,
-                                                                                         frames_done=8))
-    held = SimpleNamespace(waiting_for_prompt=False, on_hold=True, job=None)
-    live = SimpleNamespace(waiting_for_prompt=False, on_hold=False, job=None)
+    waiting = SimpleNamespace(status=SessionStatus.PREFILLING, job=SimpleNamespace(total_frames=200, frames_done=8))
+    held = SimpleNamespace(status=SessionStatus.HELD, job=None)
+    live = SimpleNamespace(status=SessionStatus.LIVE, job=None)
     q.queue_became_busy(0.0)
     for t in (0.5, 100.0, 200.0):  # gaps far over a period: each counts one period
         q.piece_done(t, queue_left=True)

@@ -64,6 +64,7 @@ import grpc
 import numpy as np
 
 from duplex.v1 import common_pb2, encoder_pb2, talker_pb2
+from services.common.pairing import OutputPairing, PairingError
 from services.common.status import transition
 from services.gateway.audio import FRAME_SAMPLES, f32_frame_bytes, f32_from_frame_bytes
 from services.gateway.cells import STAGES, Cell
@@ -165,7 +166,7 @@ class Relay:
         self.latencies: list[float] = []  # per output frame, seconds (for the session's summary)
         self._sent_at: dict[int, float] = {}
         self._text: dict[int, tuple[int, str]] = {}
-        self._early: OutputFrame | None = None  # decoded before the client sent its input frame
+        self._pairing: OutputPairing[OutputFrame] = OutputPairing()  # a frame decoded before its input came
         loop = asyncio.get_running_loop()
         self._opened = {s: loop.create_future() for s in STAGES}  # the stage's open answer, or StageEnd
         self._ended = {s: loop.create_future() for s in STAGES}  # the stage's StageEnd
@@ -330,8 +331,7 @@ class Relay:
         pcm = common_pb2.PcmFrame(seq=seq, pcm_f32le=f32_frame_bytes(frame))
         self._send("encoder", request=encoder_pb2.EncodeRequest(frame=pcm))
         self.frames_in += 1
-        if self._early is not None and self._early.input_seq < self.frames_in:
-            early, self._early = self._early, None
+        if (early := self._pairing.release(self.frames_in)) is not None:
             self._deliver(early, self._sent_at.get(early.input_seq, time.monotonic()))
 
     def _send(self, stage: str, **kind) -> None:
@@ -381,13 +381,13 @@ class Relay:
                              "decoder")
         self._last_output_at = time.monotonic()
         frame = OutputFrame(pcm.seq, input_seq, f32_from_frame_bytes(pcm.pcm_f32le), text, 0.0)
-        if input_seq < self.frames_in:
-            self._deliver(frame, self._sent_at.get(input_seq, self._last_output_at))
-        elif self._early is None:
-            self._early = frame  # until the client sends frame input_seq (send_frame)
-        else:
-            raise RelayError("runtime_stream_failed", f"the talker sent output {pcm.seq} for input {input_seq} while "
-                             f"output {self._early.seq} still waits for input {self._early.input_seq}", "talker")
+        try:
+            paired = self._pairing.pair(input_seq, frame, self.frames_in)  # None: until frame input_seq is sent
+        except PairingError as e:
+            raise RelayError("runtime_stream_failed", f"the talker sent output {pcm.seq} too early: {e}",
+                             "talker") from None
+        if paired is not None:
+            self._deliver(paired, self._sent_at.get(input_seq, self._last_output_at))
 
     def _deliver(self, frame: OutputFrame, sent: float) -> None:
         now = time.monotonic()

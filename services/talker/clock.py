@@ -31,11 +31,15 @@ refused (BacklogFull) on that session only.
 Step ahead (the personaplex alignment): step k reads user frame k-1 at the latest, so its entry
 is queued when frame k-1 arrives (step 0's at open, with no frame) and it runs one period before
 frame k arrives. Output k still leaves only after input k came in, so the stream pairs inputs and
-outputs as before (N in, N out); the step that took the last input is surplus and is dropped. A
-session opened with early_outputs (the gateway's) gets output k at its step's end instead: a
-tick's outputs leave together, so the decoder steps once per tick, right after the talker, rather
-than once per late input through the next talker step; the caller pairs them. Early outputs still
-wait for the session's first frame: until then its prompt may be re-primed.
+outputs as before (N in, N out); the step that took the last input is surplus and is dropped. The
+session's OutputPairing (services/common/pairing.py) owns that rule. A session opened with
+early_outputs (the gateway's) gets output k at its step's end instead: a tick's outputs leave
+together, so the decoder steps once per tick, right after the talker, rather than once per late
+input through the next talker step; the caller pairs them with its own OutputPairing. Early outputs
+still wait for the session's first frame: until then its prompt may be re-primed.
+
+A session's life is its SessionStatus (session.py: held -> prefilling -> live -> ended, failed or
+closed), changed only through Session.move, which refuses a move its table does not allow.
 
 Prompts (prefill_queue.py): a session may open on hold (its slot taken, no prefill) and start its
 prompt at its first prime, its first frame or the hold's end; before its first frame it may be
@@ -50,12 +54,13 @@ import asyncio
 import logging
 import time
 
-from services.common.errors import FailedPrecondition, ResourceExhausted, retry_hint
+from services.common.errors import FailedPrecondition, Internal, ResourceExhausted, retry_hint
 from services.common.frame_grid import last_grid_time, next_grid_time
+from services.common.pairing import PairingError
 from services.common.slots import SlotPool
 from services.talker.prefill_queue import PrefillQueue
 from services.talker.runner import PieceResult, StepOutputs, StepRunner
-from services.talker.session import END, Output, Ready, Session
+from services.talker.session import END, Output, Ready, Session, SessionStatus
 from services.talker.tick_policy import LAG_FRAMES, CatchUp, TickPolicy
 
 log = logging.getLogger("talker.clock")
@@ -79,7 +84,7 @@ class BacklogFull(ResourceExhausted):
 
 class ConversationClock:
     def __init__(self, engine, pool: SlotPool, *, tick_s: float, max_backlog_frames: int,
-                 prefill_chunk_frames: int = 64, input_wait_s: float = 0.0, tick_phase_s: float = 0.0,
+                 prefill_chunk_frames: int, input_wait_s: float = 0.0, tick_phase_s: float = 0.0,
                  catch_up_lag_frames: int = LAG_FRAMES, max_prefill_wait_s: float = 0.0, metrics=None):
         self.policy = TickPolicy(tick_s, input_wait_s, catch_up_lag_frames)
         self.prefill_queue = PrefillQueue(tick_s, prefill_chunk_frames)
@@ -134,7 +139,7 @@ class ConversationClock:
         error (InvalidVoice, InvalidPersona, InvalidSampling) if begin() refuses it.
         """
         s = Session(stream_id=stream_id, slot=slot, voice=voice, persona=persona, sampling=sampling, seed=seed,
-                    early_outputs=early_outputs, prime=prime, on_hold=True)
+                    early_outputs=early_outputs, prime=prime)
         if self.step_ahead:
             s.inputs.append((0, None))
         self.sessions[slot] = s
@@ -144,9 +149,9 @@ class ConversationClock:
 
     def start_prompt(self, s: Session, why: str) -> None:
         """Queue the prompt of a session on hold (metrics.PROMPT_STARTS says why now)."""
-        if not s.on_hold or s.closed or s.failed:
+        if s.status is not SessionStatus.HELD:
             return
-        s.on_hold = False
+        s.move(SessionStatus.PREFILLING)
         s.prefill_started = time.perf_counter()
         self.prefill_queue.queue_became_busy(asyncio.get_running_loop().time())
         if self.metrics:
@@ -159,9 +164,9 @@ class ConversationClock:
         stream's throughout. Returns the session that replaces `s` (the caller reads its outbox)."""
         if s.received:
             raise FailedPrecondition("the prompt can be changed only before the first frame", kind="prime_after_audio")
-        if s.closed or s.failed or s.ended:
+        if s.status.over:
             raise FailedPrecondition("the session is over", kind="closed")
-        why = "prime" if s.on_hold else "reprime"
+        why = "prime" if s.status is SessionStatus.HELD else "reprime"
         self.close(s)  # the engine releases the slot behind any step in flight with it; the pool keeps it ours
         return self.open(s.stream_id, s.slot, voice, persona, sampling, seed, s.early_outputs, prime=prime, why=why)
 
@@ -191,17 +196,18 @@ class ConversationClock:
         """Queue one input frame (already validated and seq-checked by the caller). A session on
         hold starts its prompt. Frames that arrive before go-live queue up to max_prelive_frames
         and do not count against the backlog bound, which applies from go-live."""
-        if s.closed:
+        if s.status is SessionStatus.CLOSED:
             return
         self.start_prompt(s, "frame")
+        live = s.status is SessionStatus.LIVE
         s.backlog_allowance = min(s.backlog_allowance, len(s.inputs))  # shrinks as catch-ups drain it
-        queued = len(s.inputs) - (s.backlog_allowance if s.live else 0)
-        limit = self.max_backlog_frames if s.live else self.max_prelive_frames
+        queued = len(s.inputs) - (s.backlog_allowance if live else 0)
+        limit = self.max_backlog_frames if live else self.max_prelive_frames
         if queued >= limit:
             self._count_refusal()
             raise BacklogFull(
                 f"input backlog over its bound: {queued} frames queued "
-                f"(max {limit} = {limit * self.tick_s:.2f} s{'' if s.live else ' before the prompt is live'}); "
+                f"(max {limit} = {limit * self.tick_s:.2f} s{'' if live else ' before the prompt is live'}); "
                 f"send one frame per {self.tick_s * 1000:.0f} ms"
             )
         if s.outbox.qsize() > self.max_backlog_frames:
@@ -213,14 +219,14 @@ class ConversationClock:
         s.inputs.append((seq + 1, codes) if self.step_ahead else (seq, codes))
         s.received = seq + 1
         s.last_input_at = asyncio.get_running_loop().time()
-        if s.held is not None:
-            s.outbox.put_nowait(s.held)
-            s.held = None
+        if (paired := s.pairing.release(s.received)) is not None:
+            s.outbox.put_nowait(paired)  # output `seq`, computed before its input came
         self._arrived.set()
 
     def input_done(self, s: Session) -> None:
         """The client sent its last frame: end the stream once its queue is stepped."""
         s.input_done = True
+        s.pairing.end_input()  # step ahead: an output waiting for an input that never comes is dropped
         while s.inputs and s.inputs[-1][0] >= s.received:
             s.inputs.pop()  # step ahead: its output would have no input to answer
         self._maybe_end(s)
@@ -233,10 +239,9 @@ class ConversationClock:
         thread, which is after any step still in flight with this slot (FIFO). Idempotent;
         returns the future of the engine release.
         """
-        if s.closed:
+        if s.status is SessionStatus.CLOSED:
             return None
-        s.closed = True
-        s.live = False
+        s.move(SessionStatus.CLOSED)
         s.inputs.clear()
         if self.sessions.get(s.slot) is s:
             del self.sessions[s.slot]
@@ -251,9 +256,8 @@ class ConversationClock:
             log.error("engine.release(slot %d) failed: %r", slot, fut.exception())
 
     def fail(self, s: Session, e: BaseException) -> None:
-        if not s.closed and not s.failed:
-            s.failed = True
-            s.live = False
+        if not s.status.over:
+            s.move(SessionStatus.FAILED)
             s.outbox.put_nowait(e)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -281,10 +285,10 @@ class ConversationClock:
         """The main step and the catch-up steps of one period ending at period_end; returns the
         number of steps run."""
         loop = asyncio.get_running_loop()
-        live = [s for s in self.sessions.values() if s.live]
+        live = [s for s in self.sessions.values() if s.status is SessionStatus.LIVE]
         await self._wait_for_due_frames(live, period_end)
         batch = self.policy.batch(live)  # one may have ended while we waited
-        skipped = [s for s in live if s.live and not s.inputs]
+        skipped = [s for s in live if s.status is SessionStatus.LIVE and not s.inputs]
         if self.metrics:
             self.metrics.frames_skipped.inc(len(skipped))
         if not batch:
@@ -331,7 +335,7 @@ class ConversationClock:
             left = deadline - loop.time()
             if left <= 0:
                 return
-            if not any(s.live for s in self.sessions.values()) and await self._prefill_alone():
+            if not self._any_live() and await self._prefill_alone():
                 continue
             self._wake.clear()
             try:
@@ -387,8 +391,8 @@ class ConversationClock:
         if rider is not None:
             self._record_piece(rider, out.piece, "step")
         for s, seq, _ in taken:
-            if s.closed:
-                continue  # closed while its step ran: the output has nowhere to go
+            if s.status is not SessionStatus.LIVE:
+                continue  # closed or failed while its step ran: the output has nowhere to go
             for done in s.say.stepped(out.next_text[s.slot]) if s.say is not None else ():
                 s.outbox.put_nowait(done)
             if out.has_output[s.slot]:
@@ -397,10 +401,16 @@ class ConversationClock:
                 s.out_seq += 1
                 # Early outputs wait for the session's first frame: before it the prompt may still be
                 # re-primed, and the caller has nothing to pair output 0 with.
-                if seq < s.received or (s.early_outputs and s.received > 0 and not s.input_done):
-                    s.outbox.put_nowait(output)
-                elif not s.input_done:
-                    s.held = output  # until input `seq` arrives (push)
+                if s.early_outputs and s.received > 0 and not s.input_done:
+                    s.outbox.put_nowait(output)  # the caller pairs it
+                else:
+                    try:
+                        paired = s.pairing.pair(seq, output, s.received)  # None: waits for input `seq` (push)
+                    except PairingError as e:
+                        self.fail(s, Internal(f"stream {s.stream_id}: {e}", kind="pairing"))
+                        continue
+                    if paired is not None:
+                        s.outbox.put_nowait(paired)
             self._maybe_end(s)
 
     # ---- prompts -----------------------------------------------------------------------------
@@ -429,11 +439,11 @@ class ConversationClock:
             self.fail(s, piece.error)
             return
         s.job = piece.job
-        if piece.done and not s.closed and not s.failed:
+        if piece.done and s.status is SessionStatus.PREFILLING:
             self._go_live(s)
 
     def _go_live(self, s: Session) -> None:
-        s.live = True
+        s.move(SessionStatus.LIVE)
         ms = (time.perf_counter() - s.prefill_started) * 1e3
         if self.metrics:
             self.metrics.prefill_duration.observe(ms / 1e3)
@@ -448,11 +458,12 @@ class ConversationClock:
         self._maybe_end(s)
 
     def _maybe_end(self, s: Session) -> None:
-        if s.input_done and s.live and not s.inputs and not s.stepping and not s.closed:
-            s.held = None  # step ahead: the output of the input that never came
+        if s.input_done and s.status is SessionStatus.LIVE and not s.inputs and not s.stepping:
             s.outbox.put_nowait(END)
-            s.live = False  # nothing more to step; the servicer closes it
-            s.ended = True
+            s.move(SessionStatus.ENDED)  # nothing more to step; the servicer closes it
+
+    def _any_live(self) -> bool:
+        return any(s.status is SessionStatus.LIVE for s in self.sessions.values())
 
     # ---- metrics and logs --------------------------------------------------------------------
 
@@ -509,7 +520,7 @@ class ConversationClock:
         log.warning("slow tick: %.1f ms for %d step(s) from its deadline (step EMA %.1f ms, prefill piece EMA "
                     "%.1f ms, slack after a tick EMA %.1f ms, %d live sessions); %d slow tick(s) since the last "
                     "report", took * 1e3, steps, p.step_s * 1e3, p.piece_s * 1e3, (p.slack_s or 0.0) * 1e3,
-                    sum(s.live for s in self.sessions.values()), self._slow_ticks)
+                    sum(s.status is SessionStatus.LIVE for s in self.sessions.values()), self._slow_ticks)
         self._slow_ticks, self._slow_logged = 0, now
 
     def _next_deadline(self, deadline: float) -> float:

@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 
 from services.common.config import option
+from services.common.frame import FRAME_MS
 from services.common.stage_config import METRICS_PORT_HELP, PORT_HELP, StageConfig
-from services.talker import say
+from services.talker import say, voice_recorder
+from services.talker.tick_policy import LAG_FRAMES, check_lag_frames
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,7 +48,7 @@ class TalkerConfig(StageConfig):
     # the steady state (4 minutes into a session at full size), measured without waiting for it.
     bench_full_context: bool = option(False, help="BENCHMARK ONLY: every session attends over its whole ring "
                                                   "from its first frame")
-    tick_ms: float = option(80.0, help="the conversation clock's period (one Mimi frame)")
+    tick_ms: float = option(float(FRAME_MS), help="the conversation clock's period (one Mimi frame)")
     tick_phase_ms: float = option(0.0, help="deadlines at k * tick_ms + this, the cell's frame grid "
                                             "(services/common/frame_grid.py)")
     # A session whose frames arrive just after the deadline is stepped on time instead of alternating
@@ -56,8 +58,8 @@ class TalkerConfig(StageConfig):
     # Below it a session stays that many frames late; at it the tick runs late. The H200 profile
     # (k8s/overlays/gpu) sets 3: at 160 sessions a catch-up step rarely fits in the period, and with 2
     # the forced ones made the ticks miss their target (bench/RESULTS.md, front door runs 12-17).
-    catch_up_lag_frames: int = option(2, help="frames behind a session must be for a catch-up step past "
-                                              "the deadline")
+    catch_up_lag_frames: int = option(LAG_FRAMES, help="frames behind a session must be for a catch-up step "
+                                                       "past the deadline")
     # Admission looks at the prefill queue: a caller whose first audio would come this late is told to
     # retry (RESOURCE_EXHAUSTED prefill_busy, with a retry hint) before its slot is taken. Off by default
     # (a CPU's prefill is slow and uneven); the GPU profile (k8s/overlays/gpu) sets 2 s.
@@ -72,7 +74,8 @@ class TalkerConfig(StageConfig):
     # Named by a digest of the audio and the model files.
     voice_cache_dir: str = option("", help="where voices recorded from audio are kept as .pt "
                                            "(\"\" = personaplex-voices in the temp folder)")
-    max_voice_seconds: float = option(60.0, help="longer voice audio is INVALID_ARGUMENT (bad_voice)")
+    max_voice_seconds: float = option(voice_recorder.MAX_SECONDS,
+                                      help="longer voice audio is INVALID_ARGUMENT (bad_voice)")
     # Text an application has the model say (TalkSay, services/talker/say.py).
     max_say_chars: int = option(say.MAX_SAY_CHARS, help="a longer say is refused (say_too_long)")
     max_say_tokens: int = option(say.MAX_SAY_TOKENS, help="say tokens a session may have queued (beyond: "
@@ -82,10 +85,12 @@ class TalkerConfig(StageConfig):
     # Recordings of enrolled voices (audio shipped with opens; services/talker/recording_store.py): each holds
     # its embeddings and, once used, its KV prefix on the device (about 0.27 MB per frame at full size, fp8:
     # 1 GiB is about 5 min of voices). Least recently used evicted first; bundled voices are not counted.
-    voice_memory_bytes: int = option(1 << 30, help="bytes of recorded enrolled voices held in memory (host and "
-                                                   "device); at least one max_voice_seconds voice")
-    voice_cache_bytes: int = option(2 << 30, help="bytes of recorded enrolled voices kept in voice_cache_dir "
-                                                  "(least recently used removed first)")
+    voice_memory_bytes: int = option(voice_recorder.MEMORY_BYTES,
+                                     help="bytes of recorded enrolled voices held in memory (host and device); at "
+                                          "least one max_voice_seconds voice")
+    voice_cache_bytes: int = option(voice_recorder.DISK_BYTES,
+                                    help="bytes of recorded enrolled voices kept in voice_cache_dir (least recently "
+                                         "used removed first)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,8 +100,7 @@ class TalkerConfig(StageConfig):
             raise ValueError(f"tick_phase_ms must be in [0, tick_ms), got {self.tick_phase_ms}")
         if not 0.0 <= self.input_wait_ms < self.tick_ms:
             raise ValueError(f"input_wait_ms must be in [0, tick_ms), got {self.input_wait_ms}")
-        if self.catch_up_lag_frames < 1:
-            raise ValueError(f"catch_up_lag_frames must be >= 1, got {self.catch_up_lag_frames}")
+        check_lag_frames(self.catch_up_lag_frames)
         if self.max_prefill_wait_s < 0:
             raise ValueError(f"max_prefill_wait_s must be >= 0, got {self.max_prefill_wait_s}")
         if self.max_backlog_s <= 0:
@@ -126,9 +130,7 @@ class TalkerConfig(StageConfig):
                              f"and {self.voice_cache_bytes}")
         if self.max_persona_chars < 1:
             raise ValueError(f"max_persona_chars must be >= 1, got {self.max_persona_chars}")
-        if self.max_say_chars < 1 or self.max_say_tokens < 1 or self.say_max_wait_frames < 0:
-            raise ValueError(f"max_say_chars and max_say_tokens must be >= 1 and say_max_wait_frames >= 0, got "
-                             f"{self.max_say_chars}, {self.max_say_tokens}, {self.say_max_wait_frames}")
+        say.check_bounds(self.max_say_tokens, self.say_max_wait_frames, self.max_say_chars)
 
     @property
     def voices_to_preload(self) -> tuple[str, ...]:

@@ -50,7 +50,8 @@ Step ahead (`step_ahead`, personaplex only): since step j reads user frame j-1 a
 need not wait for frame j. Such an engine is given frame j-1 at step j (written where the
 personaplex step j-1 would have written it, the same columns) and, at step 0, a row of -1: no
 user frame. Same tokens, same window; the caller can run step j as soon as frame j-1 is in,
-one frame period before frame j arrives.
+one frame period before frame j arrives. The engine only reads the frame it is given: holding output
+j until frame j is in is the caller's (services/common/pairing.py).
 
 Forced text (`TextForcing`, services/talker/say.py decides what): a step may force a slot's text
 token, the one it samples for column o+1 and conditions the depformer's agent codes on, so the model

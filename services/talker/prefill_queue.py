@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from services.talker.session import Session
+from services.talker.session import Session, SessionStatus
 
 PIECES_PER_PROMPT = 2.0  # an unmeasured prompt: voice copy + persona, and the closing silence
 SMOOTHING = 0.2  # weight of a new sample in the averages
@@ -64,7 +64,7 @@ class PrefillQueue:
 
     def wait_s(self, sessions: Iterable[Session]) -> float:
         """Seconds until a prompt opened now would be in its slot."""
-        ahead = [s for s in sessions if s.waiting_for_prompt or s.on_hold]
+        ahead = [s for s in sessions if s.status in (SessionStatus.HELD, SessionStatus.PREFILLING)]
         if not ahead:
             self._last_piece_at = None  # the queue is idle: the next gap counts from its next prompt
         return (sum(self.pieces_left(s) for s in ahead) + self.pieces_per_prompt) * self.piece_interval_s

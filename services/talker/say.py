@@ -42,6 +42,13 @@ MAX_SAY_TOKENS = 1024  # one session's queued say tokens, about a minute of spee
 MAX_WAIT_FRAMES = 12
 
 
+def check_bounds(max_tokens: int, max_wait_frames: int, max_chars: int = MAX_SAY_CHARS) -> None:
+    """The say bounds' one check (SayQueue's, and TalkerConfig's with its max_say_chars)."""
+    if max_chars < 1 or max_tokens < 1 or max_wait_frames < 0:
+        raise ValueError(f"max_say_chars and max_say_tokens must be >= 1 and say_max_wait_frames >= 0, got "
+                         f"{max_chars}, {max_tokens}, {max_wait_frames}")
+
+
 class SayError(ValueError):
     """A say refused whole (TalkSayRefused.kind): bad_say, say_too_long, say_queue_full."""
 
@@ -130,8 +137,7 @@ class SayQueue:
     """One session's says, in order. Touched only from the event loop (clock.py, server.py)."""
 
     def __init__(self, max_tokens: int = MAX_SAY_TOKENS, max_wait_frames: int = MAX_WAIT_FRAMES):
-        if max_tokens < 1 or max_wait_frames < 0:
-            raise ValueError(f"max_tokens must be >= 1 and max_wait_frames >= 0, got {max_tokens}, {max_wait_frames}")
+        check_bounds(max_tokens, max_wait_frames)
         self.max_tokens, self.max_wait_frames = max_tokens, max_wait_frames
         self._says: collections.deque[_Say] = collections.deque()  # the first one is being said
         self.phase = Phase.IDLE

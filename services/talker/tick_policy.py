@@ -11,9 +11,9 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.talker.session import Session
+from services.talker.session import Session, SessionStatus
 
-LAG_FRAMES = 2  # default catch_up_lag_frames
+LAG_FRAMES = 2  # default catch_up_lag_frames (TalkerConfig's too)
 # Share of the period kept free beyond a measured time (an EMA) when deciding whether a wait, a
 # catch-up step or a prefill piece still ends before the next deadline: a step above its average
 # must end in time too.
@@ -30,6 +30,12 @@ TALKING_PERIODS = 1.5
 # tick past its period.
 RECENT_STEPS = 256
 WAIT_MARGIN_S = 0.003
+
+
+def check_lag_frames(n: int) -> None:
+    """catch_up_lag_frames' one check (TickPolicy's and TalkerConfig's): a session at least one frame behind."""
+    if n < 1:
+        raise ValueError(f"catch_up_lag_frames must be >= 1, got {n}")
 
 
 def ema(average: float | None, sample: float) -> float:
@@ -77,8 +83,7 @@ class TickPolicy:
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))
 
     def __post_init__(self) -> None:
-        if self.catch_up_lag_frames < 1:
-            raise ValueError(f"catch_up_lag_frames must be >= 1, got {self.catch_up_lag_frames}")
+        check_lag_frames(self.catch_up_lag_frames)
 
     @property
     def headroom_s(self) -> float:
@@ -129,14 +134,14 @@ class TickPolicy:
     def frame_due(self, s: Session, tick_start: float) -> bool:
         """Whether the tick should wait for s: live, talking, nothing queued, input not closed."""
         talking = s.last_input_at >= tick_start - TALKING_PERIODS * self.tick_s
-        return s.live and not s.inputs and not s.input_done and talking
+        return s.status is SessionStatus.LIVE and not s.inputs and not s.input_done and talking
 
     # ---- steps -------------------------------------------------------------------------------
 
     @staticmethod
     def batch(sessions: Iterable[Session]) -> list[Session]:
         """The sessions a step takes a frame from: live ones with a frame queued. The others skip it."""
-        return [s for s in sessions if s.live and s.inputs]
+        return [s for s in sessions if s.status is SessionStatus.LIVE and s.inputs]
 
     @staticmethod
     def lags(batch: list[Session]) -> dict[Session, int]:
@@ -203,7 +208,7 @@ class TickPolicy:
     @staticmethod
     def next_prompt(sessions: Iterable[Session]) -> Session | None:
         """The oldest session still waiting for its prompt (sessions iterate in arrival order)."""
-        return next((s for s in sessions if s.waiting_for_prompt), None)
+        return next((s for s in sessions if s.status is SessionStatus.PREFILLING), None)
 
     def piece_fits(self, now: float, period_end: float) -> bool:
         """Whether a prefill piece run alone from now (its measured time plus the headroom) ends

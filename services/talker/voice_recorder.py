@@ -66,6 +66,7 @@ def record(pcm: np.ndarray, mimi, embed, delays: torch.Tensor, initial: torch.Te
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 ENROLLED_KEY_CHARS = 24  # hex digits of the audio's sha256 in its engine key
+MAX_SECONDS = 60.0  # default bound of a voice's audio (TalkerConfig.max_voice_seconds)
 MEMORY_BYTES = 1 << 30  # default bound of the recordings held in memory (TalkerConfig.voice_memory_bytes)
 DISK_BYTES = 2 << 30  # default bound of the enrolled recordings on disk (TalkerConfig.voice_cache_bytes)
 LEASE_ATTEMPTS = 3  # a recording evicted between its arrival and its waiters' leases is recorded again
@@ -115,7 +116,7 @@ class VoiceLease:
 
 class VoiceRecorder:
     def __init__(self, paths: CheckpointPaths, engine, compute: Callable[[Callable], Awaitable],
-                 cache_dir: str | Path, max_seconds: float = 60.0, memory_bytes: int = MEMORY_BYTES,
+                 cache_dir: str | Path, max_seconds: float = MAX_SECONDS, memory_bytes: int = MEMORY_BYTES,
                  disk_bytes: int = DISK_BYTES, metrics=None):
         """compute(fn): run fn on the engine's thread and return its result (ConversationClock.compute).
         metrics: TalkerMetrics (its voice counters), or None."""
