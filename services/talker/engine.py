@@ -814,11 +814,12 @@ class TalkerEngine:
 
     def warmup(self, voices: tuple[str, ...] = ()) -> None:
         """Run what a first session would, before any session: one short prompt prefill in slot 0
-        (released again), the KV prefix of each voice in `voices` (so no session waits for it), with
-        cuda_graph the captures of the step and of each compact step (with every slot inactive: no
-        state changes), and a timed step of each row count, idle (`warm_step_s`). On CUDA
-        the allocator's cache is then handed back: what the warm-up used transiently is free for
-        the other processes on the GPU. Call it on the thread that will run the engine."""
+        (released again), the KV prefix of each voice in `voices` (so no session waits for it; by a
+        prompt of that voice in slot 0, released again), with cuda_graph the captures of the step, of
+        each compact step (with every slot inactive: no state changes) and of the prefill chunks of
+        prompt tokens and of voice embeddings, and a timed step of each row count, idle (`warm_step_s`).
+        On CUDA the allocator's cache is then handed back: what the warm-up used transiently is free
+        for the other processes on the GPU. Call it on the thread that will run the engine."""
         if self._live[0] or self._jobs[0] is not None:
             raise RuntimeError("warmup() is for a fresh engine: slot 0 is in use")
         for voice in (None, *voices):  # 12 silence frames, no voice; then each voice's prompt (its KV prefix)
