@@ -21,10 +21,16 @@
    frames and closes. A recording still running at the phase's end is waited for before the next
    quiet phase starts, so no quiet phase holds recording work.
 5. per phase: from the talker's /metrics (deltas) the ticks, ticks over the period (by cause), tick
-   p50/p99, lateness p99, catch-up steps, frames skipped and prefill pieces; from the bystanders the
+   p50/p99, lateness p99, catch-up steps, frames skipped and prefill pieces, and each piece of recording
+   work the compute thread ran (duplex_talker_voice_compute_seconds{part}: the embedding lookup, a KV
+   prefix piece riding a main step or alone; count, mean, p99 and the bucket bound over the largest);
+   from the bystanders the
    outputs against those due, the largest gap between two outputs of one session and the gaps over
    two periods; the recordings made (open -> ready each); the CPU seconds of the talker and of its
    recorder process; this client's own event-loop lag (its gap figures mean little above a period).
+
+At the end, from the talker's log, every recording's lookup and every KV prefix piece as the talker
+timed them on its compute thread ("recording_compute_log").
 
 Writes voice_recording.json under --out (rewritten after every phase, so a run cut short keeps what it
 measured). "pass": over the recording phases, at most as many ticks over the period as the quiet phases'
@@ -56,6 +62,7 @@ from bench.cell import build_checkpoint, gpu_profile_args, gpu_state, local_only
 from bench.cell_stats import bucket_quantile, counter_delta, histogram_delta, parse_metrics
 from duplex.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common.frame import FRAME_S as PERIOD_S
+from services.talker.metrics import VOICE_COMPUTE_PARTS
 from tools.procs import ServiceProcess, ServiceStartError
 
 SAMPLE_RATE = 24_000
@@ -228,6 +235,26 @@ async def loop_lag(stop: asyncio.Event, worst: list[float]) -> None:
 
 # ---- one phase's figures ---------------------------------------------------------------------------
 
+def compute_figures(before: dict, after: dict) -> dict:
+    """Each part of the recording work on the talker's compute thread (metrics.VOICE_COMPUTE_PARTS): how many
+    pieces, their mean and p99, and the bucket bound over the largest (at most that long)."""
+    out = {}
+    for part in VOICE_COMPUTE_PARTS:
+        h = histogram_delta(before, after, "duplex_talker_voice_compute_seconds", part=part)
+        top = next((b for b, c in zip(h.bounds, h.cumulative) if c >= h.count), math.inf) if h.count else math.nan
+        out[part] = {"pieces": int(h.count), "mean_ms": round(1e3 * h.mean, 2) if h.count else math.nan,
+                     "p99_ms": round(1e3 * bucket_quantile(h, 0.99), 2), "max_at_most_ms": round(1e3 * top, 1)}
+    return out
+
+
+def compute_log(talker_log: str) -> list[str]:
+    """The talker's own lines on each recording's work on its compute thread: the lookup ("recorded") and the
+    KV prefix pieces (engine._VoicePrefix), times stripped of paths."""
+    keep = ("its embedding lookup", "KV prefix of")
+    return [line.split(": ", 1)[-1].split(", cached as")[0] for line in talker_log.splitlines()
+            if any(k in line for k in keep)]
+
+
 def talker_figures(before: dict, after: dict) -> dict:
     ticks = histogram_delta(before, after, "duplex_talker_tick_seconds")
     late = histogram_delta(before, after, "duplex_talker_tick_lateness_seconds")
@@ -242,7 +269,8 @@ def talker_figures(before: dict, after: dict) -> dict:
             "lateness_p99_ms": round(1e3 * bucket_quantile(late, 0.99), 2),
             "catch_up_steps": int(counter_delta(before, after, "duplex_talker_catch_up_steps")),
             "frames_skipped": int(counter_delta(before, after, "duplex_talker_frames_skipped")),
-            "prefill_pieces": int(counter_delta(before, after, "duplex_talker_prefill_pieces"))}
+            "prefill_pieces": int(counter_delta(before, after, "duplex_talker_prefill_pieces")),
+            "recording_compute": compute_figures(before, after)}
 
 
 def client_figures(bystanders: list[Bystander], t0: float, t1: float) -> dict:
@@ -263,11 +291,15 @@ def combine(phases: list[dict], kind: str) -> dict:
     mine = [p for p in phases if p["kind"] == kind]
     ticks = sum(p["talker"]["ticks"] for p in mine)
     slow = sum(p["talker"]["slow_ticks"] for p in mine)
+    worst = {part: max((p["talker"]["recording_compute"][part]["max_at_most_ms"] for p in mine
+                        if p["talker"]["recording_compute"][part]["pieces"]), default=math.nan)
+             for part in VOICE_COMPUTE_PARTS}
     return {"phases": len(mine), "ticks": ticks, "slow_ticks": slow,
             "slow_share": round(slow / ticks, 4) if ticks else math.nan,
             "tick_p99_ms": max((p["talker"]["tick_p99_ms"] for p in mine), default=math.nan),
             "largest_gap_ms": max((p["clients"]["largest_gap_ms"] for p in mine), default=math.nan),
-            "recordings": sum(p["recordings_made"] for p in mine)}
+            "recordings": sum(p["recordings_made"] for p in mine),
+            "recording_compute_max_at_most_ms": worst}
 
 
 def verdict(quiet: dict, recording: dict) -> dict:
@@ -320,7 +352,9 @@ async def measure(cfg: VoiceBenchConfig, talker: ServiceProcess, result: dict, w
             tk = phase["talker"]
             log(f"phase {i + 1} {kind}: {phase['seconds']:.1f} s, {tk['ticks']} ticks, {tk['slow_ticks']} over the "
                 f"period, p99 {tk['tick_p99_ms']} ms; largest bystander gap {phase['clients']['largest_gap_ms']} ms; "
-                f"{phase['recordings_made']} voices recorded")
+                f"{phase['recordings_made']} voices recorded; on the compute thread "
+                + ", ".join(f"{part} {c['pieces']}x at most {c['max_at_most_ms']} ms"
+                            for part, c in tk["recording_compute"].items() if c["pieces"]))
             write()
         stop.set()
         await asyncio.gather(*runs)
@@ -380,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         result["host"]["gpu_at_end"] = gpu_state()
     finally:
         if talker is not None:
-            (out / "voice_recording-talker.log").write_text(talker.stderr_tail(200_000))
+            talker_log = talker.stderr_tail(200_000)
+            (out / "voice_recording-talker.log").write_text(talker_log)
+            result["recording_compute_log"] = compute_log(talker_log)
             talker.close()
         shutil.rmtree(work, ignore_errors=True)
         write()

@@ -64,3 +64,11 @@ def test_smoke_run_records_voices_while_bystanders_tick(tmp_path, tiny_checkpoin
     assert result["voice_store"]["recordings"] == sum(p["recordings_made"] for p in phases)
     assert set(result["summary"]) >= {"quiet", "recording", "pass"}
     assert "--max-prefill-wait-s 0" in result["talker_args"]
+    # Each recording's work on the talker's compute thread, measured there: one lookup per voice recorded,
+    # and its KV prefix in pieces (riding main steps or alone), none of it in a quiet phase.
+    work = [p["talker"]["recording_compute"] for p in phases]
+    assert [w["lookup"]["pieces"] for w in work[1::2]] == [p["recordings_made"] for p in phases[1::2]]
+    assert all(w["prefix_step"]["pieces"] + w["prefix_alone"]["pieces"] > 0 for w in work[1::2])
+    assert all(c["pieces"] == 0 for w in work[0::2] for c in w.values())
+    prefixes = [line for line in result["recording_compute_log"] if line.startswith("voice @") and "KV prefix" in line]
+    assert len(prefixes) == result["voice_store"]["recordings"]  # the enrolled ones (the bystanders' is preloaded)

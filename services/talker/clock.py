@@ -433,6 +433,8 @@ class ConversationClock:
                 self.metrics.prefill_piece.observe(piece.total_s)
         if where == "alone":
             self.policy.piece_measured(piece.total_s)
+        if piece.voice_frames and self.metrics:  # part of a new voice's KV prefix: a recording's cost to the tick
+            self.metrics.voice_compute.labels(part=f"prefix_{where}").observe(piece.total_s)
         self.prefill_queue.piece_done(asyncio.get_running_loop().time(),
                                       self.policy.next_prompt(self.sessions.values()) is not None)
         if piece.error is not None:

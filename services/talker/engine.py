@@ -85,7 +85,7 @@ from services.talker.sampling import InvalidSampling, RowParams, SamplingParams,
 from services.talker.voices import RING, VoicePrompt, load_voice
 from services.common.frame import CODEBOOKS as AGENT_CODEBOOKS
 
-__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "TextForcing", "InvalidPersona",
+__all__ = ["TalkerEngine", "SamplingParams", "PrefillJob", "StepResult", "TextForcing", "VoiceLookup", "InvalidPersona",
            "InvalidSampling", "InvalidVoice", "ALIGNMENTS", "NO_FRAME", "NO_FORCE"]
 
 log = logging.getLogger("talker.engine")
@@ -124,35 +124,66 @@ class TextForcing(NamedTuple):
         return TextForcing(to_device(self.tokens, device), to_device(self.gated, device))
 
 
+class VoiceLookup(NamedTuple):
+    """A recorded voice's embeddings on their way to the host (TalkerEngine.embed_voice)."""
+
+    embeddings: torch.Tensor  # bf16 [N-1, dim] on the host (pinned on CUDA), complete once `done` is
+    done: "torch.cuda.Event | None"  # marks the copy complete (None: a CPU engine, complete already)
+
+    def wait(self) -> torch.Tensor:
+        """The embeddings in plain host memory, once copied. Off the engine's thread: it waits for the GPU."""
+        if self.done is None:
+            return self.embeddings
+        self.done.synchronize()
+        # Pageable: the pinned buffer goes back to torch's cache, so held voices pin no memory.
+        return torch.empty(self.embeddings.shape, dtype=self.embeddings.dtype).copy_(self.embeddings)
+
+
 class _VoicePrefix:
     """The KV of one voice's embeddings (prompt columns 0..N-2), computed once, copied into slots.
-    Built in chunks like any prefill, so a first session with a new voice never blocks a tick.
+
+    Computed in the prefill pieces of the first sessions that begin with it, like any prompt: a
+    piece runs one chunk of the voice (at most its budget, the clock's prefill_chunk_frames) in its
+    session's own slot, as a prompt chunk runs there (with cuda_graph the captured graph of voice
+    embeddings, warmed up at start: eagerly a 64-frame chunk of the 7B is a few thousand kernel
+    launches, tens of ms of host time on the compute thread that a riding piece adds to its tick,
+    and every new voice length a set of shapes never run before), then copies the chunk's positions
+    out into this prefix's ring. So what is done survives its session (closed or not) and the next
+    piece of any session continues from it.
 
     Its ring holds exactly the voice's positions, not a whole context: a full-context ring per
     voice would cost as much as a session (0.8 GB at full size), and at 160 sessions on one GPU
     there is no session's worth of memory to spare. With no wrap, positions 0..n-1 sit at ring
-    indices 0..n-1 in both rings, so the copy is a prefix copy (KVCache.copy_slot)."""
+    indices 0..n-1 in both rings, so the copies are prefix copies (KVCache.copy_slot, copy_positions)."""
 
-    def __init__(self, engine: "TalkerEngine", voice: VoicePrompt):
-        self.voice = voice
+    def __init__(self, engine: "TalkerEngine", name: str, voice: VoicePrompt):
+        self.name, self.voice = name, voice
         self.total = voice.frames - 1
         # Same storage format as the engine's ring (copyable); at least one position.
         self.kv = engine.model.new_kv_cache(1, context=max(1, min(self.total, engine.context)), **engine._kv_format)
         self.done = 0
-        self._model = engine.model
-        self._slot = self.kv.slot_index(0)
+        self.pieces_ms: list[float] = []  # each piece's time on the compute thread (logged once complete)
 
     @property
     def complete(self) -> bool:
         return self.done >= self.total
 
-    def advance(self, budget: int) -> int:
+    def advance(self, eng: "TalkerEngine", slot: int, slot_t: torch.Tensor, held: int, budget: int) -> int:
+        """Compute up to `budget` more of the voice's positions in `slot`, which holds its first `held`
+        (those this slot computed or copied; a reset slot 0), and keep them here. Returns how many."""
         n = min(budget, self.total - self.done)
         if n <= 0:
             return 0
-        x = to_device(self.voice.embeddings[self.done : self.done + n][None], self._model.device)
-        self._model.temporal(x, self.kv, self._slot)
+        t0 = time.perf_counter()
+        if held < self.done:  # another session's pieces got further: continue from theirs
+            eng.kv.copy_positions(self.kv, 0, slot, held, self.done)
+        eng._prefill_chunk(slot, slot_t, self.voice.embeddings[self.done : self.done + n], self.done, embedded=True)
+        self.kv.copy_positions(eng.kv, slot, 0, self.done, self.done + n)
         self.done += n
+        self.pieces_ms.append((time.perf_counter() - t0) * 1e3)
+        if self.complete:
+            log.info("voice %s: KV prefix of %d frames computed in %d piece(s), on the compute thread (ms): %s",
+                     self.name, self.total, len(self.pieces_ms), " + ".join(f"{t:.2f}" for t in self.pieces_ms))
         return n
 
 
@@ -169,6 +200,8 @@ class PrefillJob:
         self.output_delay_frames = self.first_output - (cols.frames - 1)
         self._engine, self._cols, self._voice = engine, cols, voice
         self._voice_in_slot = voice is None
+        self._voice_held = 0  # positions of the voice's KV prefix this slot holds while it is being computed
+        self.voice_frames_run = 0  # positions of the voice's KV prefix the last run() computed (not copied)
         self._next = 0  # next row of cols.inputs
         self._done = False
         self.cancelled = False
@@ -188,12 +221,17 @@ class PrefillJob:
             return True
         budget = max(0, int(max_frames))
         eng = self._engine
+        self.voice_frames_run = 0
         if not self._voice_in_slot:
-            budget -= self._voice.advance(budget)
+            self.voice_frames_run = self._voice.advance(eng, self.slot, self._slot_t, self._voice_held, budget)
+            if self.voice_frames_run:
+                self._voice_held = self._voice.done
+            budget -= self.voice_frames_run
             if not self._voice.complete:
                 self.frames_done = self._voice.done
                 return False
-            eng._copy_voice_kv(self.slot, self._voice)
+            if self._voice_held < self._voice.total:  # computed before this slot's pieces (or by others'): copied
+                eng._copy_voice_kv(self.slot, self._voice)
             self._voice_in_slot = True
             self.frames_done = self._cols.first
         inputs = self._cols.inputs
@@ -234,18 +272,22 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class _PrefillGraph:
     """One prefill chunk of `frames` prompt columns for any slot whose history lies in ring
-    indices 0..window-1 (None: anywhere), as a captured CUDA graph.
+    indices 0..window-1 (None: anywhere), as a captured CUDA graph; `embedded`: a chunk of a
+    voice's embeddings (its KV prefix, _VoicePrefix) instead of prompt tokens.
 
     Inputs are static buffers: the tokens (a shorter chunk is padded with -1, which embeds to
-    zero) and the slot index. The padded positions past the chunk are written into the ring
-    too; they lie beyond what the slot has written (its length is set back to start + n
-    afterwards), so attention never reads them before a later frame overwrites them. The
-    caller keeps start + frames within the ring, so the padding never overwrites a real entry.
+    zero) or the embeddings (padded with zeros: the same input), and the slot index. The padded
+    positions past the chunk are written into the ring too; they lie beyond what the slot has
+    written (its length is set back to start + n afterwards), so attention never reads them
+    before a later frame overwrites them. The caller keeps start + frames within the ring, so the
+    padding never overwrites a real entry.
     """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, tokens: torch.Tensor, slot: torch.Tensor, frames: int,
-                 window: int | None):
-        self.graph, self.tokens, self.slot, self.frames, self.window = graph, tokens, slot, frames, window
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: torch.Tensor, slot: torch.Tensor, frames: int,
+                 window: int | None, embedded: bool):
+        self.graph, self.inputs, self.slot, self.frames, self.window = graph, inputs, slot, frames, window
+        self.embedded = embedded
+        self.padding = 0.0 if embedded else -1
 
     def fits(self, n: int, start: int, context: int) -> bool:
         """Whether a chunk of n frames at positions start.. of a slot that has written `start`
@@ -255,15 +297,19 @@ class _PrefillGraph:
 
     @classmethod
     def capture(cls, eng: "TalkerEngine", frames: int, window: int | None = None,
-                pool=None) -> "_PrefillGraph":
+                pool=None, embedded: bool = False) -> "_PrefillGraph":
         """Capture into memory `pool` (another prefill graph's: they never run at once)."""
         dev = eng.device
-        tokens = torch.full((1, frames, eng.cfg.num_streams), -1, dtype=torch.long, device=dev)
+        if embedded:
+            inputs = torch.zeros((1, frames, eng.cfg.dim), dtype=eng.model.dtype, device=dev)
+        else:
+            inputs = torch.full((1, frames, eng.cfg.num_streams), -1, dtype=torch.long, device=dev)
         slot = eng.kv.slot_index(0).clone()
         eng.kv.trust(slot)  # its value is only ever set from a checked host slot (run below)
 
         def forward() -> None:
-            eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot, window)
+            x = inputs if embedded else eng.model.embed(inputs, check=False)
+            eng.model.temporal(x, eng.kv, slot, window)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -273,14 +319,14 @@ class _PrefillGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             forward()
-        log.info("captured a prefill chunk of %d frames reading %s ring entries as a CUDA graph", frames,
-                 window or "all")
-        return cls(graph, tokens, slot, frames, window)
+        log.info("captured a prefill chunk of %d %s reading %s ring entries as a CUDA graph", frames,
+                 "voice embeddings" if embedded else "frames", window or "all")
+        return cls(graph, inputs, slot, frames, window, embedded)
 
-    def run(self, eng: "TalkerEngine", slot: int, slot_t: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
-        n = tokens.shape[0]
-        self.tokens.fill_(-1)
-        self.tokens[0, :n].copy_(to_device(tokens, eng.device))
+    def run(self, eng: "TalkerEngine", slot: int, slot_t: torch.Tensor, rows: torch.Tensor, start: int) -> None:
+        n = rows.shape[0]
+        self.inputs.fill_(self.padding)
+        self.inputs[0, :n].copy_(to_device(rows, eng.device))
         self.slot.copy_(slot_t)
         self.graph.replay()
         eng.kv.length[slot].fill_(start + n)  # not start + frames: the padding is not part of the prompt
@@ -744,42 +790,44 @@ class TalkerEngine:
             return RowParams(greedy, temperature, top_k, self.graph_top_k[0 if vocab == self.text_card else 1])
         return RowParams(greedy, temperature, top_k, self._max_k(host_k, vocab))
 
-    def _prefill_chunk(self, slot: int, slot_t: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
-        """Run prompt columns `tokens` (host LongTensor [n, 17]) into `slot` at positions start..
-        start+n-1: a replay of the captured prefill graph when it applies, else eagerly. No host
-        sync either way, so it queues behind a step still running on the GPU."""
-        n = tokens.shape[0]
-        g = self.prefill_graph_for(n, start)
+    def _prefill_chunk(self, slot: int, slot_t: torch.Tensor, rows: torch.Tensor, start: int,
+                       embedded: bool = False) -> None:
+        """Run prompt columns `rows` (host LongTensor [n, 17]; with `embedded`, a voice's embeddings
+        [n, dim]) into `slot` at positions start..start+n-1: a replay of the captured prefill graph
+        when it applies, else eagerly. No host sync either way, so it queues behind a step still
+        running on the GPU."""
+        n = rows.shape[0]
+        g = self.prefill_graph_for(n, start, embedded)
         if g is not None:
-            g.run(self, slot, slot_t, tokens, start)
+            g.run(self, slot, slot_t, rows, start)
             return
-        x = self.model.embed(to_device(tokens[None], self.device), check=False)  # ids are ours: no range check
+        x = to_device(rows[None], self.device)
+        if not embedded:
+            x = self.model.embed(x, check=False)  # ids are ours: no range check
         # The slot has written `start` positions; while they fit the ring they sit at indices 0..start-1.
         self.model.temporal(x, self.kv, slot_t, start if start <= self.context else None)
 
-    def prefill_graph_for(self, n: int, start: int) -> "_PrefillGraph | None":
-        """The captured prefill chunk that runs n frames at `start` (the one reading the fewest ring
-        entries), or None: the chunk runs eagerly."""
-        return next((g for g in self._prefill_graphs if g.fits(n, start, self.context)), None)
+    def prefill_graph_for(self, n: int, start: int, embedded: bool = False) -> "_PrefillGraph | None":
+        """The captured prefill chunk that runs n frames (of tokens, or of embeddings) at `start` (the
+        one reading the fewest ring entries), or None: the chunk runs eagerly."""
+        return next((g for g in self._prefill_graphs if g.embedded == embedded and g.fits(n, start, self.context)),
+                    None)
 
     def warmup(self, voices: tuple[str, ...] = ()) -> None:
         """Run what a first session would, before any session: one short prompt prefill in slot 0
-        (released again), the KV prefix of each voice in `voices` (so no session waits for it), with
-        cuda_graph the captures of the step and of each compact step (with every slot inactive: no
-        state changes), and a timed step of each row count, idle (`warm_step_s`). On CUDA
-        the allocator's cache is then handed back: what the warm-up used transiently is free for
-        the other processes on the GPU. Call it on the thread that will run the engine."""
+        (released again), the KV prefix of each voice in `voices` (so no session waits for it; by a
+        prompt of that voice in slot 0, released again), with cuda_graph the captures of the step, of
+        each compact step (with every slot inactive: no state changes) and of the prefill chunks of
+        prompt tokens and of voice embeddings, and a timed step of each row count, idle (`warm_step_s`).
+        On CUDA the allocator's cache is then handed back: what the warm-up used transiently is free
+        for the other processes on the GPU. Call it on the thread that will run the engine."""
         if self._live[0] or self._jobs[0] is not None:
             raise RuntimeError("warmup() is for a fresh engine: slot 0 is in use")
-        job = self.begin(0, None, "", SamplingParams(greedy=True))  # 12 silence frames, no voice
-        while not job.run(self.context):
-            pass
-        self.release(0)
-        for name in voices:
-            prefix = self._voice_prefix(name)  # InvalidVoice for a name the checkpoint lacks
-            with torch.no_grad():
-                while not prefix.complete:
-                    prefix.advance(self.context)
+        for voice in (None, *voices):  # 12 silence frames, no voice; then each voice's prompt (its KV prefix)
+            job = self.begin(0, voice, "", SamplingParams(greedy=True))  # InvalidVoice for a name the checkpoint lacks
+            while not job.run(self.context):
+                pass
+            self.release(0)
         if self.cuda_graph and self.graph_top_k not in self._graphs:
             S = self.num_slots
             self._replay(torch.zeros(S, AGENT_CODEBOOKS, dtype=torch.long), torch.zeros(S, dtype=torch.bool),
@@ -795,10 +843,12 @@ class TalkerEngine:
         if self.cuda_graph and not self._prefill_graphs:
             frames = min(self.prefill_graph_frames, self.context)
             pool = None
-            for window in (*sorted(w for w in set(self.prefill_graph_windows) if 0 < w < self.context), None):
-                self._prefill_graphs.append(_PrefillGraph.capture(self, frames, window, pool))
-                pool = self._prefill_graphs[0].graph.pool()
-                self.kv.reset(0)  # the capture's warm-up run wrote slot 0
+            # Prompt chunks, then voice chunks (a new voice's KV prefix: _VoicePrefix), at the same windows.
+            for embedded in (False, True):
+                for window in (*sorted(w for w in set(self.prefill_graph_windows) if 0 < w < self.context), None):
+                    self._prefill_graphs.append(_PrefillGraph.capture(self, frames, window, pool, embedded))
+                    pool = self._prefill_graphs[0].graph.pool()
+                    self.kv.reset(0)  # the capture's warm-up run wrote slot 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -888,8 +938,24 @@ class TalkerEngine:
             log.info("voice %s loaded: %d frames (its KV is computed once, on first use)", name,
                      self._voice_files[name].frames)
         if name not in self._voice_kv:
-            self._voice_kv[name] = _VoicePrefix(self, self._voice_files[name])
+            self._voice_kv[name] = _VoicePrefix(self, name, self._voice_files[name])
         return self._voice_kv[name]
+
+    @torch.no_grad()
+    def embed_voice(self, cols: torch.Tensor) -> VoiceLookup:
+        """The embeddings of a recorded voice's columns (host LongTensor [N-1, 17], prompt.voice_columns) as
+        the published format holds them, bf16 on the host: LMModel.embed, as prompt.make_voice runs it. Call
+        on the engine's thread: it checks the ids on the host, launches the lookup and queues its copy to
+        the host behind the GPU's work, and waits for nothing (VoiceLookup.wait does, off this thread)."""
+        self.model.check_ids(cols)
+        emb = self.model.embed(to_device(cols[None], self.device), check=False)[0].to(torch.bfloat16)
+        if self.device.type != "cuda":
+            return VoiceLookup(emb, None)
+        host = torch.empty(emb.shape, dtype=emb.dtype, pin_memory=True)
+        host.copy_(emb, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return VoiceLookup(host, done)
 
     def add_voice(self, key: str, voice: VoicePrompt) -> None:
         """Make a voice recorded from audio available to begin() as `key` (call on the engine's thread),

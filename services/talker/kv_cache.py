@@ -113,6 +113,19 @@ class KVCache:
             ours[:, dst_slot, :, :n].copy_(theirs[:, src_slot])
         self.length[dst_slot].copy_(src.length[src_slot])
 
+    def copy_positions(self, src: "KVCache", src_slot: int, dst_slot: int, lo: int, hi: int) -> None:
+        """Copy positions lo..hi-1 of slot `src_slot` of `src` (same format) into our `dst_slot`, which then
+        counts hi positions written. Both slots hold them unwrapped, at ring indices lo..hi-1 (hi within
+        both rings): a voice prefix computed chunk by chunk in a session's slot and kept in its own ring
+        (engine._VoicePrefix). A few copies, no host sync."""
+        layout = lambda c: (type(c), c.k.dtype, c.num_layers, c.heads, c.head_dim)  # noqa: E731
+        if layout(src) != layout(self) or not 0 <= lo <= hi <= min(src.context, self.context):
+            raise ValueError(f"cannot copy positions {lo}..{hi - 1} of a {type(src).__name__} {tuple(src.k.shape)} "
+                             f"{src.k.dtype} slot into a {type(self).__name__} {tuple(self.k.shape)} {self.k.dtype}")
+        for ours, theirs in zip(self._stores(), src._stores(), strict=True):
+            ours[:, dst_slot, :, lo:hi].copy_(theirs[:, src_slot, :, lo:hi])
+        self.length[dst_slot].fill_(hi)  # fill_: no wait for the GPU (reset)
+
     def save_entries(self, idx: torch.Tensor, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The entry at ring index idx[b] of slot rows[b] (rows None: every slot, b = s), in every
         layer (for `restore_entries`)."""

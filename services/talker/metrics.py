@@ -25,6 +25,8 @@
                                           voice_memory_bytes
     duplex_talker_voice_evictions_total   counter: recordings evicted from memory to make room for another
     duplex_talker_voice_forgets_total{outcome}  counter: ForgetVoice calls, by outcome (FORGET_OUTCOMES)
+    duplex_talker_voice_compute_seconds{part}  histogram: each piece of a voice recording's work on the compute
+                                          thread, by part (VOICE_COMPUTE_PARTS)
 
 Active streams and free slots are the common `duplex_stage_active_streams` /
 `duplex_stage_free_slots` gauges; step time and batch size are `duplex_stage_step_seconds`
@@ -64,6 +66,11 @@ STEP_PARTS = ("dispatch", "launch", "prefill", "gpu_wait", "outputs", "loop_resu
 # What a ForgetVoice did: dropped the recording now, when its starting sessions are in their slots, or
 # found none.
 FORGET_OUTCOMES = tuple(o.value for o in ForgetOutcome)
+# A voice recording's work on the compute thread (voice_recorder.py), each piece timed there: the
+# embedding lookup (its launches; a worker thread waits for the copy), and a prefill piece that
+# computed part of a new voice's KV prefix, riding a main step (host time: what it adds to the
+# tick before its outputs) or alone in the slack (GPU time included). Buckets: TICK_BUCKETS.
+VOICE_COMPUTE_PARTS = ("lookup", "prefix_step", "prefix_alone")
 
 
 class TalkerMetrics:
@@ -141,6 +148,13 @@ class TalkerMetrics:
                                      registry=r)
         for outcome in FORGET_OUTCOMES:
             self.voice_forgets.labels(outcome=outcome)
+        self.voice_compute = Histogram("duplex_talker_voice_compute_seconds",
+                                       "Each piece of a voice recording's work on the compute thread, by part: the "
+                                       "embedding lookup, a prefill piece computing a new voice's KV prefix riding "
+                                       "a main step (host time) or alone (GPU time included)",
+                                       ["part"], buckets=TICK_BUCKETS, registry=r)
+        for part in VOICE_COMPUTE_PARTS:
+            self.voice_compute.labels(part=part)
 
     def track_recordings(self, store) -> None:
         """Read the recording store's count and bytes at each scrape (recording_store.RecordingStore)."""

@@ -323,21 +323,27 @@ class LMModel(nn.Module):
     @torch.no_grad()
     def embed(self, tokens: torch.Tensor, check: bool = True) -> torch.Tensor:
         """tokens LongTensor[B, T, 17] (already delayed) -> the summed input embedding [B, T, dim].
-        check=False skips the id range check (a host sync) for callers that validated already."""
+        check=False skips the id range check (a host sync on the GPU) for callers that validated
+        already (check_ids on their host copy)."""
         cfg = self.cfg
         if tokens.dim() != 3 or tokens.shape[-1] != cfg.num_streams or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be a LongTensor[B, T, {cfg.num_streams}], got {tuple(tokens.shape)} "
                              f"{tokens.dtype}")
+        if check:
+            self.check_ids(tokens)
         text, audio = tokens[..., 0], tokens[..., 1:]
-        # An out-of-range id would be a device-side assert on GPU, killing every session: refuse it here.
-        if check and tokens.numel() and (int(tokens.min()) < -1 or int(text.max()) > cfg.text_card
-                                         or int(audio.max()) > cfg.card):
-
-            raise ValueError(f"token ids must be -1, text 0..{cfg.text_card} or audio 0..{cfg.card}")
         x = embed_or_zero(self.emb[0], audio[..., 0])
         for k in range(1, cfg.n_q):  # audio first, then text: moshi's summation order
             x = x + embed_or_zero(self.emb[k], audio[..., k])
         return x + embed_or_zero(self.text_emb, text)
+
+    def check_ids(self, tokens: torch.Tensor) -> None:
+        """ValueError unless every id of tokens [..., 17] is -1, a text id (stream 0) or an audio id. An
+        out-of-range id would be a device-side assert on the GPU, killing every session: refused here."""
+        cfg = self.cfg
+        if tokens.numel() and (int(tokens.min()) < -1 or int(tokens[..., 0].max()) > cfg.text_card
+                               or int(tokens[..., 1:].max()) > cfg.card):
+            raise ValueError(f"token ids must be -1, text 0..{cfg.text_card} or audio 0..{cfg.card}")
 
     def new_kv_cache(self, slots: int, device=None, dtype=None, context: int | None = None,
                      fp8: bool = False, bits: int | None = None) -> KVCache:

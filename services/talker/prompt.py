@@ -128,17 +128,25 @@ def build(voice: VoicePrompt | None, persona_tokens: list[int] | None, delays: t
     return PromptColumns(voice=voice, first=first, inputs=cols[first:F - 1], ring=ring_of(cols, F), frames=F)
 
 
-@torch.no_grad()
-def make_voice(embed, agent_codes: torch.Tensor, delays: torch.Tensor, initial: torch.Tensor,
-               device: str | torch.device = "cpu") -> VoicePrompt:
-    """Record a voice the way the reference does, from its N frames of agent codes:
-    `embed` (LMModel.embed, on `device`) of columns 0..N-2, and the ring after the reference's
-    last voice step (columns N-3..N; column N only for the delay-1 streams). Tokens stay on the CPU."""
+def voice_columns(agent_codes: torch.Tensor, delays: torch.Tensor, initial: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A voice's N frames of agent codes -> (its columns 0..N-2, LongTensor[N-1, 17], which the voice
+    prompt holds embedded; the ring after the reference's last voice step: columns N-3..N, column N
+    only for the delay-1 streams). On the CPU."""
     agent_codes, delays, initial = agent_codes.cpu(), delays.cpu(), initial.cpu()
     frames = voice_frames(agent_codes)
     n = frames.shape[0]
     if n < 3:
         raise ValueError(f"a voice needs at least 3 frames, got {n}")
     cols = columns(frames, delays, initial)
-    emb = embed(cols[None, : n - 1].to(device))[0]
-    return VoicePrompt(embeddings=emb, cache=ring_of(cols, n, partial_last=delays > 0))
+    return cols[: n - 1], ring_of(cols, n, partial_last=delays > 0)
+
+
+@torch.no_grad()
+def make_voice(embed, agent_codes: torch.Tensor, delays: torch.Tensor, initial: torch.Tensor,
+               device: str | torch.device = "cpu") -> VoicePrompt:
+    """Record a voice the way the reference does, from its N frames of agent codes:
+    `embed` (LMModel.embed, on `device`) of its columns 0..N-2, and its ring (voice_columns). Tokens
+    stay on the CPU."""
+    cols, ring = voice_columns(agent_codes, delays, initial)
+    return VoicePrompt(embeddings=embed(cols[None].to(device))[0], cache=ring)

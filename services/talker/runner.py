@@ -40,6 +40,7 @@ class PieceResult:
     begin_s: float
     launch_s: float  # the chunk's launch
     device_wait_s: float  # waiting for the GPU (0 for a piece riding a step)
+    voice_frames: int = 0  # positions of a new voice's KV prefix its chunk computed (engine._VoicePrefix)
 
     @property
     def ms(self) -> tuple[float, float, float, float]:
@@ -149,11 +150,14 @@ class StepRunner:
         on the GPU if `wait`. Errors are the session's, not the clock's."""
         t0 = time.perf_counter()
         t_begin = t_launch = t0
+        voice_frames = 0
         try:
             if job is None:
                 job = self.engine.begin(*begin_args)
             t_begin = time.perf_counter()
-            done = job.done or job.run(self.prefill_chunk_frames)
+            done = job.done
+            if not done:
+                done, voice_frames = job.run(self.prefill_chunk_frames), job.voice_frames_run
             t_launch = time.perf_counter()
             if wait and self.engine.device.type == "cuda":
                 torch.cuda.current_stream(self.engine.device).synchronize()
@@ -162,7 +166,7 @@ class StepRunner:
             done, error = False, e
         t = time.perf_counter()
         return PieceResult(job, done, error, t - t0, t_begin - t0, max(0.0, t_launch - t_begin),
-                           max(0.0, t - max(t_launch, t_begin)))
+                           max(0.0, t - max(t_launch, t_begin)), voice_frames)
 
 
 def _forcing(forced: dict | None, slots) -> dict:

@@ -11,8 +11,9 @@ thread of the talker it shares the talker's GIL with the event loop and the comp
 first session with a new voice made a bystander's ticks late (issue 31: 83 of 209 ticks over the
 period). Here it runs in one spawned child process: its own GIL and memory, `threads` torch
 threads, and a lower CPU priority (`nice`), so the talker's threads get the cores first. What
-stays on the talker is what the recording hands the engine: one embedding lookup on the compute
-thread (prompt.make_voice), then the voice's KV prefix in prefill pieces like any prompt.
+stays on the talker is what the recording hands the engine: one embedding lookup launched on the
+compute thread (engine.embed_voice), then the voice's KV prefix in prefill pieces like any prompt
+(voice_recorder.py says what each costs a tick).
 
 Costs: the child starts with the first recording (Python, torch and Mimi's encoder half: a few
 seconds, a few hundred MB) and stays for the next. At most `max_pending` recordings wait or run at

@@ -12,10 +12,20 @@ Recording (`record`): the audio prepared by services/common/voice_audio.py (24 k
 frame stepped as a voice-prompt frame by prompt.make_voice. The result is the published `.pt`
 format; it is kept on disk under `cache_dir` (recording_files.py: named by a digest of the audio
 and of the model files, so another checkpoint never reads it) and given to the engine, which
-computes its KV prefix once, in prefill pieces. The Mimi encode runs in a process of its own (voice_encoder.py: it never
-delays a tick); the embedding lookup runs on the engine's thread (`compute`), so the device is
-never used from two threads. Nothing of a recording runs on the event loop: the audio's digest is
-taken on a worker thread (hashlib lets go of the GIL).
+computes its KV prefix once, in prefill pieces.
+
+What a recording costs the ticks of the sessions already talking (issue 31). The Mimi encode runs in
+a process of its own (voice_encoder.py). On the engine's thread (`compute`, so the device is never
+used from two threads) run two kinds of work, each bounded whatever the voice's length: the
+embedding lookup (engine.embed_voice), one call that only launches a few dozen small kernels and
+queues the copy to the host, which a worker thread waits for; and the voice's KV prefix, computed
+by the prefill pieces of the first session that begins with it, at most prefill_chunk_frames
+positions per piece, scheduled by the clock like any prompt's pieces (one riding each main step,
+more in a period's slack), as the captured graph of voice embeddings that warm-up records
+(engine._VoicePrefix). Each is measured on the compute thread: the
+duplex_talker_voice_compute_seconds{part} histogram, the "recorded" log line (the lookup) and the
+engine's "KV prefix ... computed in N piece(s)" line. Nothing of a recording runs on the event
+loop: the audio's digest and the prompt columns are taken on worker threads.
 
 Bounds. A recording of an enrolled voice (audio shipped with an open) is held in memory within
 `memory_bytes` (recording_store.py: embeddings and KV prefix counted together, least recently
@@ -32,6 +42,7 @@ import hashlib
 import logging
 import math
 import re
+import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -43,6 +54,7 @@ from services.common import voice_audio, voice_names
 from services.common.checkpoint import CheckpointPaths, InvalidVoice
 from services.common.errors import InvalidArgument, ResourceExhausted, retry_hint
 from services.talker import prompt
+from services.talker.engine import VoiceLookup
 from services.talker.recording_files import RecordingFiles
 from services.talker.recording_store import ForgetOutcome, Holding, RecordingStore, StoreFull
 from services.talker.voice_encoder import VoiceEncoder, voice_codes
@@ -220,9 +232,10 @@ class VoiceRecorder:
             path = self.files.path(digest, enrolled=True)
             voice = await self._load(path)
             if voice is None:
-                voice = await self._record(pcm)
+                voice, held_s = await self._record(pcm)
                 kept = await asyncio.to_thread(self.files.save, path, voice)
-                log.info("voice %s recorded: %d frames%s", key, voice.frames, f", cached as {path}" if kept else "")
+                log.info("voice %s recorded: %d frames, its embedding lookup %.2f ms on the compute thread%s", key,
+                         voice.frames, held_s * 1e3, f", cached as {path}" if kept else "")
             if key in self._forgotten_arriving:  # its file may have been written after the forget looked
                 await asyncio.to_thread(self.files.forget, digest)
         except BaseException:
@@ -255,9 +268,10 @@ class VoiceRecorder:
         path = self.files.path(recording_digest(await self._model_digest(), sha), enrolled=False)
         voice = await self._load(path)
         if voice is None:
-            voice = await self._record(pcm)
+            voice, held_s = await self._record(pcm)
             await asyncio.to_thread(self.files.save, path, voice)
-            log.info("voice %s recorded: %d frames, cached as %s", name, voice.frames, path)
+            log.info("voice %s recorded: %d frames, its embedding lookup %.2f ms on the compute thread, cached as %s",
+                     name, voice.frames, held_s * 1e3, path)
         await self.compute(lambda: self.engine.add_voice(name, voice))
 
     async def _load(self, path: Path) -> VoicePrompt | None:
@@ -272,13 +286,24 @@ class VoiceRecorder:
             self._model = await asyncio.to_thread(model_digest, self.paths)
         return self._model
 
-    async def _record(self, pcm: np.ndarray) -> VoicePrompt:
-        prepared = await self.encoder.codes(pcm)
+    async def _record(self, pcm: np.ndarray) -> tuple[VoicePrompt, float]:
+        """The voice prompt of the audio (what `record` gives, bit for bit) and the seconds its embedding
+        lookup held the compute thread."""
+        codes = await self.encoder.codes(pcm)
         eng = self.engine
         delays, initial = torch.tensor(eng.cfg.delays), prompt.initial_tokens(eng.text_card, eng.card,
                                                                               eng.cfg.num_streams)
-        return await self.compute(lambda: published(prompt.make_voice(eng.model.embed, prepared, delays, initial,
-                                                                       eng.device)))
+        cols, ring = await asyncio.to_thread(prompt.voice_columns, codes, delays, initial)
+
+        def lookup() -> tuple[VoiceLookup, float]:
+            t0 = time.perf_counter()
+            return eng.embed_voice(cols), time.perf_counter() - t0
+
+        pending, held_s = await self.compute(lookup)  # launches only: no wait for the GPU on its thread
+        embeddings = await asyncio.to_thread(pending.wait)
+        if self.metrics is not None:
+            self.metrics.voice_compute.labels(part="lookup").observe(held_s)
+        return VoicePrompt(embeddings=embeddings, cache=ring), held_s
 
     # ---- leases and forgetting
 
