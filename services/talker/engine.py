@@ -150,7 +150,7 @@ class _VoicePrefix:
         if n <= 0:
             return 0
         x = to_device(self.voice.embeddings[self.done : self.done + n][None], self._model.device)
-        self._model.temporal(x, self.kv, self._slot)
+        self._model.temporal(x, self.kv, self._slot, prompt=True)
         self.done += n
         return n
 
@@ -262,7 +262,7 @@ class _PrefillGraph:
         eng.kv.trust(slot)  # its value is only ever set from a checked host slot (run below)
 
         def forward() -> None:
-            eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot, window)
+            eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot, window, prompt=True)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -754,7 +754,7 @@ class TalkerEngine:
             return
         x = self.model.embed(to_device(tokens[None], self.device), check=False)  # ids are ours: no range check
         # The slot has written `start` positions; while they fit the ring they sit at indices 0..start-1.
-        self.model.temporal(x, self.kv, slot_t, start if start <= self.context else None)
+        self.model.temporal(x, self.kv, slot_t, start if start <= self.context else None, prompt=True)
 
     def prefill_graph_for(self, n: int, start: int) -> "_PrefillGraph | None":
         """The captured prefill chunk that runs n frames at `start` (the one reading the fewest ring
