@@ -59,7 +59,7 @@ def profile_chunk_kernels(eng: TalkerEngine, slot: int, window: int | None, fram
 
     def forward() -> None:
         eng.kv.length[slot] = 0  # a fresh slot: the window holds its history
-        eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot_t, window)
+        eng.model.temporal(eng.model.embed(tokens, check=False), eng.kv, slot_t, window, prompt=True)
 
     forward()  # warm
     torch.cuda.synchronize()

@@ -309,7 +309,7 @@ class _PrefillGraph:
 
         def forward() -> None:
             x = inputs if embedded else eng.model.embed(inputs, check=False)
-            eng.model.temporal(x, eng.kv, slot, window)
+            eng.model.temporal(x, eng.kv, slot, window, prompt=True)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -805,7 +805,7 @@ class TalkerEngine:
         if not embedded:
             x = self.model.embed(x, check=False)  # ids are ours: no range check
         # The slot has written `start` positions; while they fit the ring they sit at indices 0..start-1.
-        self.model.temporal(x, self.kv, slot_t, start if start <= self.context else None)
+        self.model.temporal(x, self.kv, slot_t, start if start <= self.context else None, prompt=True)
 
     def prefill_graph_for(self, n: int, start: int, embedded: bool = False) -> "_PrefillGraph | None":
         """The captured prefill chunk that runs n frames (of tokens, or of embeddings) at `start` (the

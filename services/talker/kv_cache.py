@@ -203,16 +203,23 @@ class KVCache:
         return self._ring(self.k, layer, slots, entries).to(dtype), self._ring(self.v, layer, slots, entries).to(dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+               positions: torch.Tensor, window: int | None = None, prompt: bool = False) -> torch.Tensor:
         """Causal sliding-window attention of the T new positions [B, H, T, Dh] (already RoPE'd)
         of each row's slot, storing their k/v. Query p sees keys p-context+1..p (moshi's window).
+
+        `prompt`: the positions are a prompt chunk, of any length (one included): they attend the
+        ring as it was and each other's k/v as computed, then are written. Otherwise T == 1 is a live
+        step (written first, then read back from the ring with the rest) and T > 1 a prompt chunk.
+        Why a chunk of one is not a step: a quantized ring rounds what it stores, so as a step the
+        frame would see its own key and value rounded, and inside a longer chunk (or a CUDA graph's
+        chunk, padded) exact; the eager and graphed 4-bit prompts differed by that (bench/RESULTS.md).
 
         `window` (prefill only): the caller's promise that every row's slot has written at most
         `window` positions and never wrapped, so its history lies in ring indices 0..window-1 and
         only those are read. A new session's prompt sits at the start of a 3000-entry ring: reading
         all of it (gather, dequantize, concatenate, a masked attention over 3000+ keys, per layer)
         would be most of a prompt chunk's time."""
-        if q.shape[2] == 1:
+        if q.shape[2] == 1 and not prompt:
             # Live step: write first, then attend over the ring. The entry overwritten was the
             # position just outside the window, so the ring now holds exactly the window.
             self.write(layer, slots, positions, k, v)
@@ -319,9 +326,9 @@ class Int4KVCache(KVCache):
     def _stores(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_scale, self.k_zero, self.v_scale, self.v_zero]
 
-    def attend(self, layer, q, k, v, slots, positions, window=None):
+    def attend(self, layer, q, k, v, slots, positions, window=None, prompt=False):
         r = self.rotation
-        out = super().attend(layer, rotate(q, r), rotate(k, r), rotate(v, r), slots, positions, window)
+        out = super().attend(layer, rotate(q, r), rotate(k, r), rotate(v, r), slots, positions, window, prompt)
         return rotate(out, r)
 
     def write(self, layer, slots, positions, k, v) -> None:

@@ -131,11 +131,11 @@ class TemporalAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.dim, cfg.dim, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, kv: KVCache, layer: int, slots: torch.Tensor,
-                positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                positions: torch.Tensor, window: int | None = None, prompt: bool = False) -> torch.Tensor:
         # rows of in_proj are q|k|v, each (heads, head_dim): [3, B, H, T, Dh]
         q, k, v = linear(x, self.in_proj_weight).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, k, positions, self.max_period)
-        out = kv.attend(layer, q, k, v, slots, positions, window)  # stores k/v in the slot's ring
+        out = kv.attend(layer, q, k, v, slots, positions, window, prompt)  # stores k/v in the slot's ring
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -147,8 +147,8 @@ class TemporalLayer(nn.Module):
         self.norm2 = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
         self.gating = Gating(cfg.dim, cfg.hidden, device=device, dtype=dtype)
 
-    def forward(self, x, kv, layer, slots, positions, window=None):
-        x = x + self.self_attn(self.norm1(x), kv, layer, slots, positions, window)
+    def forward(self, x, kv, layer, slots, positions, window=None, prompt=False):
+        x = x + self.self_attn(self.norm1(x), kv, layer, slots, positions, window, prompt)
         return x + self.gating(self.norm2(x))
 
 
@@ -357,9 +357,11 @@ class LMModel(nn.Module):
                      device=device or self.device, dtype=dtype or self.dtype)
 
     @torch.no_grad()
-    def temporal(self, x: torch.Tensor, kv: KVCache, slots: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    def temporal(self, x: torch.Tensor, kv: KVCache, slots: torch.Tensor, window: int | None = None,
+                 prompt: bool = False) -> torch.Tensor:
         """Advance slot slots[b] by the T frames x[b] (T=1 live, T>1 prefill); returns out_norm(h).
-        window (prefill): every slot has written at most this many positions, unwrapped (KVCache.attend)."""
+        window (prefill): every slot has written at most this many positions, unwrapped (KVCache.attend).
+        prompt: the frames are a prompt chunk even if T=1 (KVCache.attend says why it matters)."""
         if x.dim() != 3 or x.shape[-1] != self.cfg.dim or x.shape[1] < 1:
             raise ValueError(f"x must be [B, T>=1, {self.cfg.dim}], got {tuple(x.shape)}")
         if (kv.num_layers, kv.heads, kv.head_dim) != (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim):
@@ -372,7 +374,7 @@ class LMModel(nn.Module):
         positions = kv.length[slots][:, None] + torch.arange(T, device=x.device)  # [B, T] absolute
         x = x.to(self.dtype)
         for i, layer in enumerate(self.transformer.layers):
-            x = layer(x, kv, i, slots, positions, window)
+            x = layer(x, kv, i, slots, positions, window, prompt)
         kv.length[slots] += T
         return self.out_norm(x)
 
