@@ -242,7 +242,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (the CPU test env's "
-                    "torch wheel brings none); `pip install triton` to run the kernels under its interpreter")
+                    "torch wheel brings none); `pip install triton` to run the kernels under its interpreter "
+                    "(Triton 3.6's interpreter needs numpy < 2.4: it converts 1-element arrays to Python scalars)")
 @pytest.mark.timeout(300)
 def test_the_triton_kernels_equal_the_reference_at_every_launch_under_the_interpreter(tmp_path):
     """The GPU check's correctness half on the CPU (TRITON_INTERPRET=1): every launch of the sweep, the three kernels,

@@ -29,7 +29,7 @@ from services.codec.mimi import MimiConfig, MimiModel
 from services.talker import prompt
 from services.talker.clock import ConversationClock
 from services.talker.engine import SamplingParams, TalkerEngine
-from services.talker.session import Output
+from services.talker.session import Output, SessionStatus
 from services.talker.voice_recorder import VoiceRecorder, record
 from tests.test_talker_service import talker_metrics, user_frames, value
 from tests.test_voices_from_audio import speech_like
@@ -61,7 +61,7 @@ async def test_a_new_voices_work_comes_in_bounded_pieces_between_a_bystanders_ti
     try:
         bystander = clock.open("bystander", clock.pool.acquire(), None, "", GREEDY, 1)
         await clock.prefill_in_slack(loop.time() + 10)
-        assert bystander.live
+        assert bystander.status is SessionStatus.LIVE
 
         pcm = speech_like(3.0, voice_audio.SAMPLE_RATE, seed=21)[0]
         lease = await recorder.resolve("newcomer", pcm)
@@ -73,7 +73,7 @@ async def test_a_new_voices_work_comes_in_bounded_pieces_between_a_bystanders_ti
         newcomer = clock.open("newcomer", clock.pool.acquire(), lease.key, "Hi.", GREEDY, 1)
         frames = user_frames(40, 5)
         per_tick, outputs, t = [], 0, 0
-        while not newcomer.live:
+        while newcomer.status is not SessionStatus.LIVE:
             clock.push(bystander, t, frames[t])
             assert await clock.tick(loop.time() + 10) == 1  # the main step, a piece of the newcomer riding it
             while not bystander.outbox.empty():
