@@ -10,7 +10,8 @@ per-session streams cost each stage about 4000 gRPC messages a second.
   `flush_s` (stages.py); entries in go to `on_entry`; the stream's end or failure goes to `on_lost`
   once.
 - `CellLink`: the three stage links of one cell and the sessions on them. It sees a session only
-  through `LinkSession` (its stream id, an entry for it, a lost stage, the stall watch), so the
+  through `LinkSession` (its stream id, an entry for it, a lost stage, the stall watch, its own
+  handler's failure: one session's bug never ends the link of the others), so the
   transport knows nothing of a session's state machine (relay.py).
 
 A link that breaks fails only the sessions on it; the next open builds a new one.
@@ -53,6 +54,9 @@ class LinkSession(Protocol):
 
     def link_watch(self, now: float) -> None:
         """The watchdog's turn (every WATCH_PERIOD_S): the session checks its own progress."""
+
+    def link_error(self, why: str) -> None:
+        """One of the handlers above raised for this session: it fails, typed, and alone."""
 
 
 class StageLink:
@@ -175,7 +179,7 @@ class CellLink:
     def _on_entry(self, stage: str, entry) -> None:
         p = self._sessions.get(entry.stream_id)
         if p is not None:  # else: a session already over here (late answers are dropped)
-            p.link_entry(stage, entry)
+            self._guarded(p, stage, p.link_entry, stage, entry)
 
     def _on_lost(self, stage: str, why: str) -> None:
         if self.broken is None:
@@ -183,7 +187,7 @@ class CellLink:
             log.warning("cell %s: %s link lost (%s); its %d session(s) fail", self.cell.name, stage, why,
                         len(self._sessions))
         for p in list(self._sessions.values()):
-            p.link_lost(stage, why)
+            self._guarded(p, stage, p.link_lost, stage, why)
         if not self._sessions:
             asyncio.ensure_future(self.close())
 
@@ -192,7 +196,23 @@ class CellLink:
             await asyncio.sleep(WATCH_PERIOD_S)
             now = time.monotonic()
             for p in list(self._sessions.values()):
-                p.link_watch(now)
+                self._guarded(p, "watch", p.link_watch, now)
+
+    def _guarded(self, p: LinkSession, stage: str, handler: Callable, *args) -> None:
+        """Run one session's handler so that its bug fails that session alone: raised into the read loop
+        or the watchdog, it would end the link and every session on it. The session fails typed
+        (link_error); if that raises too, it is dropped from the link (its own deadlines end it)."""
+        try:
+            handler(*args)
+        except Exception:
+            log.exception("cell %s: session %s failed handling its %s link (%s); it alone ends", self.cell.name,
+                          p.stream_id, stage, getattr(handler, "__name__", "handler"))
+            try:
+                p.link_error(f"the gateway failed handling its {stage} link entry (see the gateway's log)")
+            except Exception:
+                log.exception("cell %s: session %s could not be failed; dropped from the link", self.cell.name,
+                              p.stream_id)
+                self.forget(p)
 
     async def close(self) -> None:
         self._watch.cancel()

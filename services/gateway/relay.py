@@ -379,6 +379,9 @@ class Relay:
         if input_seq is None:
             raise RelayError("runtime_stream_failed", f"decoder returned frame {pcm.seq} the talker never produced",
                              "decoder")
+        if len(pcm.pcm_f32le) != 4 * FRAME_SAMPLES:
+            raise RelayError("runtime_stream_failed", f"decoder returned frame {pcm.seq} of {len(pcm.pcm_f32le)} "
+                             f"bytes, not {4 * FRAME_SAMPLES}", "decoder")
         self._last_output_at = time.monotonic()
         frame = OutputFrame(pcm.seq, input_seq, f32_from_frame_bytes(pcm.pcm_f32le), text, 0.0)
         try:
@@ -425,6 +428,10 @@ class Relay:
     def link_lost(self, stage: str, why: str) -> None:
         """The stage's link broke: the session's stream there is gone."""
         self._stage_ended(stage, StageEnd(grpc.StatusCode.UNAVAILABLE, "link_lost", f"link lost: {why}"))
+
+    def link_error(self, why: str) -> None:
+        """A handler of this session raised on the link (a bug): this session fails, typed."""
+        self._fail(RelayError("runtime_stream_failed", why))
 
     def link_watch(self, now: float) -> None:
         """Output is due for every input frame past the model's delay. With frames due and no
