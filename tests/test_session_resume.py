@@ -10,6 +10,7 @@ raw Realtime client over real sockets (services/gateway/resume.py, session.py).
   (409), another worker's token (421), two concurrent resumes (one wins, the other 409).
 - With an API key: a resume needs the key as any connection does, and a token minted under another key
   does not verify.
+- Not built: a resume on another worker; it is refused 421 resume_wrong_worker at once.
 """
 
 from __future__ import annotations
@@ -271,6 +272,38 @@ async def test_a_resume_with_the_api_key_set_needs_the_key(stack):
         rt2 = await resume(gw, sid, token, key)
         assert (await rt2.recv())["type"] == "session.resumed"
         await rt2.close()
+        assert await eventually(lambda: metric(gw, "gateway_sessions_active") == 0, 30)
+    finally:
+        gw.stop()
+
+
+async def test_a_resume_that_lands_on_another_worker_is_refused_typed_at_once(stack):
+    """Cross-worker resume is not built: with two workers, a resume the kernel hands to the other worker
+    gets 421 resume_wrong_worker at once (no hang), and the session stays resumable where it lives."""
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--workers", "2"]).start()
+    try:
+        rt, created = await opened(gw.ws_url)
+        sid, token = created["session"]["id"], created["resume_token"]
+        await feed(rt, 0, 2)
+        rt.ws.transport.abort()
+        await paused(gw)
+        seen: set = set()
+        for _ in range(40):  # each connection lands on a worker the kernel picks by its addresses
+            t0 = time.monotonic()
+            try:
+                rt2 = await resume(gw, sid, token)
+            except InvalidStatus as e:
+                assert time.monotonic() - t0 < 5
+                seen.add((e.response.status_code, json.loads(e.response.body)["error"]["code"]))
+                continue
+            assert (await rt2.recv())["type"] == "session.resumed"
+            seen.add("resumed")
+            if len(seen) == 2:
+                await rt2.close()
+                break
+            rt2.ws.transport.abort()  # landed home first: drop again until a resume lands elsewhere
+            await paused(gw)
+        assert seen == {"resumed", (421, "resume_wrong_worker")}, seen
         assert await eventually(lambda: metric(gw, "gateway_sessions_active") == 0, 30)
     finally:
         gw.stop()
