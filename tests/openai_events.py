@@ -1,6 +1,7 @@
 """Server events checked against the `openai` package's typed models, strictly (no coercion).
 
-The duplex wire (vLLM-Omni) adds two events of its own that OpenAI's protocol has no model for.
+The duplex wire (vLLM-Omni) adds two events of its own that OpenAI's protocol has no model for, and this
+server a third (session.resumed: services/gateway/resume.py).
 Legacy (beta-named) sessions are checked against the beta models, except the session object: the
 beta model pins `model` to OpenAI's model names, so session.created/updated are checked as GA.
 """
@@ -13,7 +14,7 @@ from pydantic import TypeAdapter
 
 GA = TypeAdapter(RealtimeServerEvent)
 BETA = TypeAdapter(BetaServerEvent)
-DUPLEX_ONLY = {"session.closed", "session.heartbeat_ack"}
+DUPLEX_ONLY = {"session.closed", "session.heartbeat_ack", "session.resumed"}
 
 
 def validate_server_event(event: dict, legacy: bool = False) -> None:

@@ -336,6 +336,7 @@ async def test_socket_drop_ends_the_session_in_all_three_stages(stack):
     await paced(rt, tone(3))
     assert talker_active() == 1 and stage_capacity(stack, "encoder").active_streams == 1
     rt.ws.transport.abort()  # no close frame: the TCP connection just goes away
+    # The session pauses for a resume first (the 15 s default grace, docs/resume.md), then ends.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         counts = (talker_active(), stage_capacity(stack, "encoder").active_streams,

@@ -203,8 +203,10 @@ def test_capabilities_follow_configured_capacity():
     c = capabilities({"total_slots": 4, "max_cell_slots": 2}, output_delay_frames=2)
     assert c["supports_multi_session_same_replica"] and c["max_sessions"] == 4 and c["output_delay_frames"] == 2
     assert c["implementation_level"] == "model_native_duplex" and c["chunk_period_ms"] == 80
-    assert c["supports_barge_in"] is False and c["supports_session_resume"] is False
+    assert c["supports_barge_in"] is False and c["supports_session_resume"] is False and "resume_grace_s" not in c
     assert c["input_modes"] == ["append_audio_chunk"]
+    resumable = capabilities({"total_slots": 4, "max_cell_slots": 2}, resume_grace_s=15.0)
+    assert resumable["supports_session_resume"] is True and resumable["resume_grace_s"] == 15.0
 
 
 # ---- config ------------------------------------------------------------------

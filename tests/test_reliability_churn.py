@@ -22,7 +22,9 @@ from tools.run_stack import Stack
 SLOTS, CONTEXT, TICK_S, BACKLOG_FRAMES = 6, 32, 0.08, 25
 TALKER_ARGS = ["--context", str(CONTEXT), "--tick-ms", str(TICK_S * 1000), "--max-backlog-s",
                str(BACKLOG_FRAMES * TICK_S)]
-GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
+# A TCP drop after the open pauses its session for the resume grace (docs/resume.md): a short one here,
+# so the churn's drops still go through pause and expiry without holding the slots for 15 s each.
+GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20", "--resume-grace", "1"]
 CHURN_CYCLES = 240
 RSS_BOUND_MB = 50.0
 

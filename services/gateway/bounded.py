@@ -49,11 +49,15 @@ class OutputQueue:
     def qsize(self) -> int:
         return len(self._items)
 
-    def put_nowait(self, msg: str | bytes, tag: str | None = None) -> None:
+    def put_nowait(self, msg: str | bytes, tag: str | None = None, first: bool = False) -> None:
+        """Queue `msg` last (or `first`: a resumed connection's greeting goes before what waited)."""
         size = len(msg)  # JSON text here is ASCII (json.dumps escapes the rest): characters = bytes
         if len(self._items) >= self.max_items or self.bytes + size > self.max_bytes:
             raise asyncio.QueueFull
-        self._items.append((tag, msg))
+        if first:
+            self._items.appendleft((tag, msg))
+        else:
+            self._items.append((tag, msg))
         self.bytes += size
         self._ready.set()
 

@@ -207,6 +207,10 @@ class GatewayConfig:
                                               help="seconds a WebSocket may stay open without a session (0 = no bound)")
     idle_session_timeout_s: float = option(30.0, aliases=("--idle-session-timeout",),
                                            help="seconds a session may go without audio (0 = no bound)")
+    # A Realtime session whose connection drops holds its slot this long for a resume (services/gateway/resume.py).
+    resume_grace_s: float = option(15.0, aliases=("--resume-grace",),
+                                   help="seconds a dropped Realtime session stays paused in its slot for the client "
+                                        "to resume it (0 = a drop ends the session; no resume)")
     # https and wss on the same port (services/gateway/tls.py); both or neither.
     tls_cert: str = option("", help="PEM certificate chain for https/wss on --port (with --tls-key; '' = plain)")
     tls_key: str = option("", help="PEM private key of --tls-cert")
@@ -238,7 +242,7 @@ class GatewayConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("admission_wait_s", "idle_connection_timeout_s", "idle_session_timeout_s", "send_buffer_bytes",
-                     "client_secret_rate"):
+                     "client_secret_rate", "resume_grace_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_connections", "output_queue_events", "output_queue_bytes", "max_message_bytes",

@@ -8,6 +8,7 @@ from services.gateway.admission import Releases
 from services.gateway.cells import CellPool
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.resume import Resumes
 from services.gateway.voices import Voices
 
 
@@ -18,3 +19,4 @@ class GatewayContext:
     metrics: GatewayMetrics
     voices: Voices  # bundled and enrolled voices (a session's open reads its audio here)
     releases: Releases  # sessions being released now (admission waits for one when every cell is full)
+    resumes: Resumes  # Realtime sessions a reconnect may resume, and their tokens (resume.py)

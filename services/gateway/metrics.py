@@ -13,6 +13,13 @@
     gateway_cell_free_slots{cell} / gateway_cell_serving{cell}   gauges from the last capacity poll
     gateway_worker_websockets_open{worker}          gauge: WebSocket connections a worker holds now
     gateway_worker_websockets_total{worker}         counter: WebSocket connections a worker took
+    gateway_sessions_paused                         gauge: sessions whose connection dropped, waiting for a resume
+    gateway_resumes_total{outcome}                  counter: resume attempts: resumed, invalid_resume_token,
+                                                    session_not_found, session_expired, session_in_use,
+                                                    resume_wrong_worker (resume.py)
+    gateway_resume_grace_expired_total              counter: paused sessions ended by their grace period
+    gateway_resume_dropped_frames_total             counter: output frames produced while a session was paused
+                                                    (not delivered: a resume does not replay them)
     gateway_voice_forgets_total{outcome}            counter: talkers asked to forget a deleted or replaced voice's
                                                     recording, by outcome (recordings.Pruned)
 
@@ -33,6 +40,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from services.gateway.recordings import Pruned
 
+RESUME_OUTCOMES = ("resumed", "invalid_resume_token", "session_not_found", "session_expired", "session_in_use",
+                   "resume_wrong_worker")
 LATENCY_BUCKETS = (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 
 
@@ -66,6 +75,16 @@ class GatewayMetrics:
                                      ["reason"], registry=r)
         self.voice_forgets = Counter("gateway_voice_forgets_total", "Talkers asked to forget a deleted or replaced "
                                      "voice's recording, by outcome", ["outcome"], registry=r)
+        self.sessions_paused = Gauge("gateway_sessions_paused", "Sessions whose connection dropped, waiting for a "
+                                     "resume (resume.py)", registry=r, multiprocess_mode="livesum")
+        self.resumes = Counter("gateway_resumes_total", "Resume attempts by outcome", ["outcome"], registry=r)
+        for outcome in RESUME_OUTCOMES:
+            self.resumes.labels(outcome)
+        self.resume_grace_expired = Counter("gateway_resume_grace_expired_total",
+                                            "Paused sessions ended by their resume grace period", registry=r)
+        self.resume_dropped_frames = Counter("gateway_resume_dropped_frames_total",
+                                             "Output frames produced while their session was paused (dropped)",
+                                             registry=r)
         for outcome in Pruned:
             self.voice_forgets.labels(outcome.value)
         recent = "livemostrecent"

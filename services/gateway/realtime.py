@@ -15,6 +15,11 @@ before audio re-primes the same slot in place (never released, so a full cell ca
 and session.updated answers it once that prompt is live, so a client that streams after its
 session.updated starts on time. One prompt per open, one prefill in flight per connection.
 
+Resume (resume.py): session.created carries `resume_token`; a connection lost without a close frame
+pauses the session, and a reconnect with `?session_id=` and the token (X-Resume-Token) is served by
+`ResumedConnection`: `session.resumed` first, then the stream goes on. Its checks are made before the
+101, so a refusal is an HTTP answer with a typed error (resume.ResumeRefused).
+
 Ordering rules kept here:
 - every server event gets `event_id` and a per-connection increasing `server_event_seq` as it is sent;
 - `rate_limit_error`/`resource_exhausted` comes before any `session.created`;
@@ -46,6 +51,7 @@ from services.gateway.realtime_wire import (
     parse_item_create, parse_session_update, refusal, response_metadata, session_closed_event, session_object,
     settle_update_after_audio, truncate_end_ms)
 from services.gateway.relay import OutputFrame, Relay, RelayError
+from services.gateway.resume import ResumeRefused, offered_token
 from services.gateway.say import SayRequests, item_say_text, response_say_text
 from services.gateway.session import ClientSession
 
@@ -63,6 +69,7 @@ BARGE_IN_GRACE_FRAMES = 1
 class RealtimeSession(ClientSession):
     protocol = "realtime"
     log_tag = "session"
+    resumable = True
 
     def __init__(self, ws: ServerConnection, ctx: GatewayContext, query: dict[str, str]):
         connect = parse_connect_query(query, ctx.config.model)
@@ -110,10 +117,22 @@ class RealtimeSession(ClientSession):
             why = ("this server only speaks the duplex wire (duplex=1)" if duplex in FALSE
                    else f"duplex={duplex!r} is not 1|true|on")
             return error_response(400, "bad_request", why)
+        token = offered_token(conn.request.headers)
+        if token is not None:  # a resume: the paused session is claimed now, or the answer says why not
+            try:
+                ctx.resumes.claim(query.get("session_id", ""), token, conn)
+            except ResumeRefused as e:
+                ctx.metrics.resumes.labels(e.code).inc()
+                ctx.metrics.errors.labels("invalid_request_error", e.code).inc()
+                return error_response(e.status, e.code, e.message)
         return None
 
     @classmethod
-    def for_connection(cls, ws: ServerConnection, ctx: GatewayContext, query: dict[str, str]) -> "RealtimeSession":
+    def for_connection(cls, ws: ServerConnection, ctx: GatewayContext,
+                       query: dict[str, str]) -> "RealtimeSession | ResumedConnection":
+        claimed = ctx.resumes.take_claim(ws)
+        if claimed is not None:
+            return ResumedConnection(claimed, ws)
         return cls(ws, ctx, query)
 
     # ---- outbound -------------------------------------------------------------
@@ -155,7 +174,8 @@ class RealtimeSession(ClientSession):
     # ---- session lifecycle --------------------------------------------------
 
     def _session_object(self) -> dict:
-        caps = capabilities(self.ctx.pool.capacity_summary(), self.relay.output_delay_frames if self.relay else None)
+        caps = capabilities(self.ctx.pool.capacity_summary(), self.relay.output_delay_frames if self.relay else None,
+                            self.cfg.resume_grace_s if self.ctx.resumes.enabled else 0.0)
         return session_object(self.session_id, self.model, self.settings, caps)
 
     async def _open(self, settings: SessionSettings, event_id: str | None = None, hold: bool = False) -> bool:
@@ -176,7 +196,10 @@ class RealtimeSession(ClientSession):
         self.adopt(relay)
         self.says = SayRequests(relay.talk)
         self.count_opened()
-        self.emit({"type": "session.created", "session": self._session_object()})
+        created = {"type": "session.created", "session": self._session_object()}
+        if (token := self.offer_resume()) is not None:
+            created["resume_token"] = token
+        self.emit(created)
         if relay.live:
             self.emit({"type": "session.updated", "session": self._session_object()})
             self._announced = True
@@ -449,6 +472,13 @@ class RealtimeSession(ClientSession):
             self.emit(ev, where["response_id"])
         return True
 
+    def on_resumed(self, dropped: int) -> None:
+        """The resumed connection's first event: the session as it is, and what the pause cost."""
+        relay = self.relay
+        self.send(json.dumps({"type": "session.resumed", "session": self._session_object(),
+                              "frames_in": relay.frames_in if relay else 0, "frames_out": self.frames_out,
+                              "frames_undelivered": dropped}, separators=(",", ":")), first=True)
+
     async def on_relay_failure(self, err: RelayError) -> None:
         self._emit_done_and_closed("failed", {"type": err.error_type, "code": err.code})
         self.end(1011, "stage failure")
@@ -484,3 +514,24 @@ class RealtimeSession(ClientSession):
         self.emit(session_closed_event(self.session_id, relay.frames_in if relay else 0, self.frames_out,
                                        self.cleanup_confirmed, relay.latency_summary() if relay else {"frames": 0},
                                        relay.prelive_dropped if relay else 0))
+
+
+class ResumedConnection:
+    """A resume's connection (server.WS_ROUTES' handler runs it): it hands itself to the paused
+    session it claimed at the handshake and lasts as long as the session serves it."""
+
+    def __init__(self, session: RealtimeSession, ws: ServerConnection):
+        self.session, self.ws = session, ws
+        self.session_id = session.session_id
+
+    async def run(self) -> None:
+        if await self.session.serve_resumed(self.ws):
+            return
+        # The session ended (idle, a stage failure) or the claim lapsed between the handshake and now.
+        code, message = "session_expired", f"session {self.session_id} ended before this connection took it over"
+        self.session.ctx.metrics.errors.labels("invalid_request_error", code).inc()
+        try:
+            await self.ws.send(json.dumps({"event_id": f"event_{secrets.token_hex(6)}", "server_event_seq": 1,
+                                           **error_event("invalid_request_error", code, message)}))
+        finally:
+            await self.ws.close(1008, code)

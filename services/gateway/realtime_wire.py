@@ -269,8 +269,9 @@ def parse_event(message: str) -> dict:
     return event
 
 
-def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> dict:
-    """What this deployment really does, from the polled capacity of the serving cells."""
+def capabilities(pool_summary: dict, output_delay_frames: int | None = None, resume_grace_s: float = 0.0) -> dict:
+    """What this deployment really does, from the polled capacity of the serving cells (and whether a
+    dropped session waits `resume_grace_s` for a resume: services/gateway/resume.py)."""
     caps = {
         "implementation_level": "model_native_duplex",
         "chunk_period_ms": audio.FRAME_MS,
@@ -279,7 +280,7 @@ def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> 
         "supports_multi_session": pool_summary["total_slots"] > 1,
         "supports_multi_session_same_replica": pool_summary["max_cell_slots"] > 1,
         "supports_barge_in": False,
-        "supports_session_resume": False,
+        "supports_session_resume": resume_grace_s > 0,
         "supports_say": True,  # an assistant item's text is spoken (services/gateway/say.py)
         "supports_audio_truncate": True,
         "supports_client_commit": False,
@@ -291,6 +292,8 @@ def capabilities(pool_summary: dict, output_delay_frames: int | None = None) -> 
     }
     if output_delay_frames is not None:
         caps["output_delay_frames"] = output_delay_frames
+    if resume_grace_s > 0:
+        caps["resume_grace_s"] = resume_grace_s
     return caps
 
 
@@ -333,7 +336,8 @@ def client_event_id(event: dict) -> str | None:
 _BARGE_IN = "the model handles overlapping speech itself (supports_barge_in=false)"
 # Client events this server names and refuses: event type -> (feature, why).
 REFUSED_EVENTS = {
-    "session.resume": ("session.resume", "sessions cannot be resumed (supports_session_resume=false)"),
+    "session.resume": ("session.resume", "a session is resumed by reconnecting with ?session_id= and its "
+                       "session.created resume_token as the X-Resume-Token header, not by an event"),
     "barge_in": ("barge_in", _BARGE_IN),
     "session.barge_in": ("barge_in", _BARGE_IN),
     "input_audio_buffer.barge_in": ("barge_in", _BARGE_IN),

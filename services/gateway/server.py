@@ -46,6 +46,7 @@ from services.gateway.http_requests import BodyBudget, error_response, json_resp
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.native import NativeSession
 from services.gateway.realtime import RealtimeSession
+from services.gateway.resume import Resumes, ResumeTokens
 from services.gateway.session import ClientSession
 from services.gateway.voices import PREFIX as VOICES_PREFIX
 from services.gateway.voices import Voices
@@ -87,7 +88,9 @@ class Gateway:
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
         self.voices = Voices(config, self.pool, self.metrics)
         self.releases = Releases()
-        self.ctx = GatewayContext(config, self.pool, self.metrics, self.voices, self.releases)  # what sessions see
+        self.resumes = Resumes(ResumeTokens(worker, config.api_key), config.resume_grace_s)
+        self.ctx = GatewayContext(config, self.pool, self.metrics, self.voices, self.releases,  # what sessions see
+                                  self.resumes)
         self.tls = tls.server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         self.secrets = auth.ClientSecrets(config.api_key, config.client_secret_ttl_s, config.client_secret_rate,
                                           config.client_secret_burst)
@@ -128,6 +131,7 @@ class Gateway:
                  f", DNS {self.config.cells_dns}" if self.config.cells_dns else "")
 
     async def stop(self) -> None:
+        self.resumes.end_paused()  # a paused session's grace would hold the close; none pauses from here on
         if self.server is not None:
             self.server.close()  # closes live sockets (1001); their sessions release their streams
             await self.server.wait_closed()
@@ -245,14 +249,11 @@ class Gateway:
         log.info("%s %s from %s", url.path, session.session_id,
                  client_address(peer, ws.request.headers.get_all("X-Forwarded-For"), self.config.trusted_proxies))
         self.metrics.websockets_taken.inc()
-        self.metrics.websockets_open.inc()
         try:
-            await session.run()
+            await session.run()  # counts its connection in websockets_open while it serves it
         except Exception:
             log.exception("session on %s ended with an unexpected error", url.path)
             self.metrics.errors.labels("server_error", "internal").inc()
-        finally:
-            self.metrics.websockets_open.dec()
 
 
 async def serve_until_signalled(gateway: Gateway) -> None:

@@ -20,6 +20,15 @@ and what it may (no-ops here):
     on_prompt_live()         the relay's latest prompt went live
     on_prime_refused(n, err) the talker refused a re-prime's settings
     on_say_answer(answer)    the talker's answer to a say (say.py)
+    on_resumed(dropped)      a resume's connection took over (resume.py): the wire's greeting, first
+
+A session whose class sets `resumable` is PAUSED when its connection goes away without a close frame
+from the client (resume.py says how a client comes back): the relay stays open in its slot, nothing
+reaches the stages, output frames the relay delivers meanwhile are dropped and counted, and what was
+queued for the client stays queued (bounded as ever) for the resumed connection; the message being
+written at the drop is lost. The idle clock runs on and the slot counts as any other. A resume's
+connection is handed to `run`, which serves it as it served the first; the grace's end ends the
+session as a drop did before. The first connection's handler runs the session to its end.
 
 The session is the relay's listener (relay.RelayListener): it is given to the open, and events of a
 relay it does not hold yet are dropped; `adopt` reads a failure that came before.
@@ -27,6 +36,7 @@ relay it does not hold yet are dropped; `adopt` reads a failure that came before
 Status (`SessionStatus`; the legal moves are `_NEXT`, in one place):
 
     WAITING <-> OPENING -> LIVE -> CLOSING -> ENDED | CUT_OFF
+    LIVE -> PAUSED -> RESUMING -> LIVE    (PAUSED <- RESUMING: the claimed connection never came)
     WAITING -> LIVE (opened at the upgrade), and ENDED or CUT_OFF from any status before them
     (CLOSING not from OPENING: nothing can close a session while its open is in flight)
 
@@ -77,6 +87,8 @@ class SessionStatus(enum.Enum):
     WAITING = "waiting"  # connected, no relay held: the idle-connection clock runs
     OPENING = "opening"  # an open is in flight: never idle meanwhile (a prefill may take a while)
     LIVE = "live"  # holds a relay: the no-audio clock runs
+    PAUSED = "paused"  # its connection dropped: the relay stays open, waiting for a resume or the grace's end
+    RESUMING = "resuming"  # a resume's handshake claimed it (resume.Resumes.claim): its connection is on the way
     CLOSING = "closing"  # ending (client close, idle, a stage failure): no new input or settings
     ENDED = "ended"  # end() was called: the socket closes with its code once `run` has cleaned up
     CUT_OFF = "cut_off"  # ended because the client does not read: what is queued is not flushed
@@ -86,12 +98,17 @@ S = SessionStatus
 _NEXT: dict[SessionStatus, frozenset[SessionStatus]] = {
     S.WAITING: frozenset({S.OPENING, S.LIVE, S.CLOSING, S.ENDED, S.CUT_OFF}),  # LIVE: opened at the upgrade
     S.OPENING: frozenset({S.WAITING, S.LIVE, S.ENDED, S.CUT_OFF}),  # WAITING: refused
-    S.LIVE: frozenset({S.CLOSING, S.ENDED, S.CUT_OFF}),
+    S.LIVE: frozenset({S.PAUSED, S.CLOSING, S.ENDED, S.CUT_OFF}),
+    S.PAUSED: frozenset({S.RESUMING, S.CLOSING, S.ENDED, S.CUT_OFF}),
+    S.RESUMING: frozenset({S.LIVE, S.PAUSED, S.CLOSING, S.ENDED, S.CUT_OFF}),
     S.CLOSING: frozenset({S.ENDED, S.CUT_OFF}),
     S.ENDED: frozenset(),  # the first end's code stands
     S.CUT_OFF: frozenset(),
 }
 _OVER = frozenset({S.ENDED, S.CUT_OFF})
+_AWAY = frozenset({S.PAUSED, S.RESUMING})  # no connection serves the session
+# A claimed resume's connection arrives within this long of its handshake's checks, or the claim lapses.
+HANDOFF_TIMEOUT_S = 10.0
 
 
 def advance(status: SessionStatus, to: SessionStatus) -> SessionStatus:
@@ -102,6 +119,7 @@ def advance(status: SessionStatus, to: SessionStatus) -> SessionStatus:
 class ClientSession(abc.ABC):
     protocol = ""  # the metrics' protocol label; also names the logger (gateway.<protocol>)
     log_tag = "session"  # how log lines name one of these sessions
+    resumable = False  # a lost connection pauses the session (resume.py) instead of ending it
 
     def __init__(self, ws: ServerConnection, ctx: GatewayContext, session_id: str):
         self.ws, self.ctx, self.cfg = ws, ctx, ctx.config
@@ -119,6 +137,13 @@ class ClientSession(abc.ABC):
         self._client_errors = 0
         self._release_task: asyncio.Future | None = None
         self._bg: set[asyncio.Task] = set()
+        self.resume_token: str | None = None  # set by `offer_resume` (the wire's greeting carries it)
+        self.frames_undelivered = 0  # output frames produced while paused, dropped
+        self._handoff: asyncio.Future | None = None  # while paused: a resume's connection
+        self._claimed_by: object = None  # while RESUMING: the connection that claimed it
+        self._claimed_at = 0.0  # loop time of the claim
+        self._first_counted = False  # the first connection counts in websockets_open (run)
+        self._connection_done = asyncio.Event()  # the session is done with its current connection
 
     # ---- the route (server.WS_ROUTES: path -> one of these classes) -----------------------------
 
@@ -167,6 +192,10 @@ class ClientSession(abc.ABC):
     def on_say_answer(self, answer: talker_pb2.TalkResponse) -> None:
         """The talker's say_done or say_refused (services/gateway/say.py)."""
 
+    def on_resumed(self, dropped: int) -> None:
+        """A resume's connection serves the session now (`dropped` output frames were not delivered):
+        queue the wire's greeting (`send(..., first=True)`: before what was queued at the drop)."""
+
     # ---- status --------------------------------------------------------------------------------
 
     def _to(self, status: SessionStatus) -> None:
@@ -187,25 +216,157 @@ class ClientSession(abc.ABC):
     # ---- run -----------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Serve the session to its end: its first connection, and each resume's after a drop."""
+        metrics = self.ctx.metrics
+        metrics.websockets_open.inc()  # the first connection, until it goes; a resume's handler counts its own
+        self._first_counted = True
         writer = asyncio.create_task(self._write_loop())
         reader: asyncio.Task | None = None
+        idle: asyncio.Task | None = None
         try:
             await self.start()
             if not self._ended.is_set():
-                reader = asyncio.create_task(self._read_loop())
-                ended = asyncio.create_task(self._ended.wait())
                 idle = asyncio.create_task(self._idle_watch())
-                await asyncio.wait({reader, ended, writer}, return_when=asyncio.FIRST_COMPLETED)
-                ended.cancel()
+                while True:
+                    reader = asyncio.create_task(self._read_loop())
+                    ended = asyncio.create_task(self._ended.wait())
+                    await asyncio.wait({reader, ended, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    ended.cancel()
+                    if not self._connection_lost(reader):
+                        break
+                    await self._stop_serving(reader, writer)
+                    reader = None
+                    if await self._pause():  # a resume's connection serves it now
+                        writer = asyncio.create_task(self._write_loop())
+                    if self.status is not SessionStatus.LIVE:
+                        break
+        finally:
+            if idle is not None:
                 idle.cancel()
                 await asyncio.gather(idle, return_exceptions=True)
-        finally:
             if reader is not None:
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
+            self.ctx.resumes.forget(self)
             await self.release(graceful=False)
             await asyncio.gather(*self._bg, return_exceptions=True)
             await self._finish_writer(writer)
+            self._connection_done.set()
+            self._uncount_first_connection()
+
+    # ---- pause and resume (resume.py) ------------------------------------------------------------
+
+    def offer_resume(self) -> str | None:
+        """Make the session resumable (a token for the wire's greeting); None where it is not."""
+        if self.resumable and self.ctx.resumes.enabled and self.resume_token is None:
+            self.resume_token = self.ctx.resumes.register(self)
+        return self.resume_token
+
+    def _connection_lost(self, reader: asyncio.Task) -> bool:
+        """The connection went away without the client's close frame, from a session that may pause."""
+        if (self._ended.is_set() or self.resume_token is None or self.status is not SessionStatus.LIVE
+                or self.ctx.resumes.shutting_down):
+            return False
+        if reader.done() and not reader.cancelled() and reader.exception() is not None \
+                and not isinstance(reader.exception(), ConnectionClosed):
+            return False  # an unexpected error: the session ends (the handler logs it)
+        return self.ws.protocol.close_rcvd is None
+
+    async def _stop_serving(self, reader: asyncio.Task, writer: asyncio.Task) -> None:
+        """The lost connection's tasks end: the reader finishes the message it is handling (it sees
+        the loss at its next read; bounded), the writer stops (the message it was writing is lost)."""
+        await asyncio.wait({reader}, timeout=self.cfg.cleanup_timeout_s)
+        for task in (reader, writer):
+            task.cancel()
+        await asyncio.gather(reader, writer, return_exceptions=True)
+        self._connection_done.set()
+
+    def _uncount_first_connection(self) -> None:
+        if self._first_counted:
+            self._first_counted = False
+            self.ctx.metrics.websockets_open.dec()
+
+    async def _pause(self) -> bool:
+        """PAUSED until a resume hands over its connection (True: `self.ws` is it, and the session is
+        LIVE again unless it was ending meanwhile) or the grace period ends (False; the session ends,
+        if nothing else ended it meanwhile: idle, a stage failure, the gateway's shutdown)."""
+        loop = asyncio.get_running_loop()
+        metrics = self.ctx.metrics
+        self._to(SessionStatus.PAUSED)
+        self._uncount_first_connection()
+        metrics.sessions_paused.inc()
+        self.log.info("%s %s paused: its connection dropped (resumable for %g s)", self.log_tag, self.session_id,
+                      self.cfg.resume_grace_s)
+        deadline = loop.time() + self.cfg.resume_grace_s
+        ended = asyncio.create_task(self._ended.wait())
+        try:
+            self._handoff = loop.create_future()
+            while not self._ended.is_set():
+                resuming = self.status is SessionStatus.RESUMING
+                wait = (self._claimed_at + HANDOFF_TIMEOUT_S if resuming else deadline) - loop.time()
+                if wait > 0:
+                    await asyncio.wait({self._handoff, ended}, timeout=wait)
+                if self._handoff.done():
+                    self.ws, self._connection_done = self._handoff.result()
+                    if self.status is not SessionStatus.RESUMING:
+                        return True  # it was ending meanwhile: its last words go to the new connection
+                    self._to(SessionStatus.LIVE)
+                    metrics.resumes.labels("resumed").inc()
+                    self.log.info("%s %s resumed (%d output frames dropped while paused)", self.log_tag,
+                                  self.session_id, self.frames_undelivered)
+                    self.on_resumed(self.frames_undelivered)
+                    return True
+                if self._ended.is_set():
+                    return False
+                if resuming:
+                    if loop.time() < self._claimed_at + HANDOFF_TIMEOUT_S:
+                        continue  # claimed while the grace's wait ran: wait for its connection now
+                    self._to(SessionStatus.PAUSED)  # the claimed connection never came
+                    self._claimed_by = None
+                    self.ctx.resumes.unclaim(self)
+                    continue
+                if loop.time() < deadline:
+                    continue
+                metrics.resume_grace_expired.inc()
+                self.log.info("%s %s: no resume within %g s: ended", self.log_tag, self.session_id,
+                              self.cfg.resume_grace_s)
+                self.end(1001, "resume grace period over")
+            return False
+        finally:
+            ended.cancel()
+            self._handoff = None
+            metrics.sessions_paused.dec()
+
+    def claim_resume(self, conn: object) -> bool:
+        """A resume's handshake passed its checks (resume.Resumes.claim): PAUSED -> RESUMING for `conn`.
+        False: not paused (its connection is still there, or another resume holds it)."""
+        if self.status is not SessionStatus.PAUSED:
+            return False
+        self._to(SessionStatus.RESUMING)
+        self._claimed_by, self._claimed_at = conn, asyncio.get_running_loop().time()
+        return True
+
+    async def serve_resumed(self, ws: ServerConnection) -> bool:
+        """A resume's handler: hand `ws` to `run` and wait until the session is done with it. False:
+        the claim had lapsed (nothing was handed over; the caller answers)."""
+        handoff = self._handoff
+        if self.status is not SessionStatus.RESUMING or self._claimed_by is not ws or handoff is None \
+                or handoff.done():
+            return False
+        self._claimed_by = None
+        done = asyncio.Event()
+        self.ctx.metrics.websockets_open.inc()
+        try:
+            handoff.set_result((ws, done))
+            await done.wait()
+        finally:
+            self.ctx.metrics.websockets_open.dec()
+        return True
+
+    def end_if_paused(self) -> None:
+        """At the gateway's shutdown: a paused session ends now."""
+        if self.status in _AWAY:
+            self.end(1001, "gateway shutting down")
 
     def end(self, code: int, reason: str) -> None:
         """End the session; the socket closes with this code once `run` has cleaned up. The first
@@ -251,10 +412,11 @@ class ClientSession(abc.ABC):
 
     # ---- output --------------------------------------------------------------------------------
 
-    def send(self, message: str | bytes, tag: str | None = None) -> None:
-        """Queue one message for the client; `tag` lets `drop_queued` take it back unsent."""
+    def send(self, message: str | bytes, tag: str | None = None, first: bool = False) -> None:
+        """Queue one message for the client; `tag` lets `drop_queued` take it back unsent; `first`
+        puts it before what is queued (a resume's greeting)."""
         try:
-            self._out.put_nowait(message, tag=tag)
+            self._out.put_nowait(message, tag=tag, first=first)
         except asyncio.QueueFull:
             self._cut_off()
 
@@ -391,6 +553,10 @@ class ClientSession(abc.ABC):
     # ---- the relay's listener (relay.RelayListener): called from link tasks, they only queue -------
 
     def relay_output(self, f: OutputFrame) -> None:
+        if self.status in _AWAY:  # paused: nowhere to send it (dropped and counted, module doc)
+            self.frames_undelivered += 1
+            self.ctx.metrics.resume_dropped_frames.inc()
+            return
         if self.relay is None or self.status in _OVER or not self.render_output(f):
             return
         self.frames_out += 1

@@ -1,0 +1,309 @@
+"""Session resume on the Realtime wire, end to end: real encoder, talker, decoder and gateway processes and a
+raw Realtime client over real sockets (services/gateway/resume.py, session.py).
+
+- A drop mid-call and a resume on the same worker continue the same conversation: with greedy sampling the
+  text pieces (and the audio) equal those of one uninterrupted session fed the same frames. Dropped after
+  every output came, nothing is lost; dropped while output is on its way, the output after the resume is
+  still the uninterrupted session's, frame for frame.
+- The grace period's end frees the slot in all three stages and every gauge; the token then answers 410.
+- Typed refusals before the 101: a tampered token or another session's id (403), a session still attached
+  (409), another worker's token (421), two concurrent resumes (one wins, the other 409).
+- With an API key: a resume needs the key as any connection does, and a token minted under another key
+  does not verify.
+- Not built: a resume on another worker; it is refused 421 resume_wrong_worker at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from websockets.exceptions import InvalidStatus
+
+from services.gateway.resume import ResumeRefused, ResumeTokens
+from tests.realtime_client import FRAME, RT, eventually, pcm16_b64, tone
+from tools.run_stack import GatewayProcess, Stack
+
+pytestmark = pytest.mark.timeout(400)
+
+GRACE_S = 6.0
+GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20",
+                "--resume-grace", str(GRACE_S)]
+FRAMES = 24
+INSTRUCTIONS = "You are a patient listener."
+TEXT = "response.output_audio_transcript.delta"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    with Stack(tiny_checkpoint, sessions=2, gateway_args=GATEWAY_ARGS) as s:
+        yield s
+
+
+def metric(gw: GatewayProcess, name: str) -> float:
+    with urllib.request.urlopen(gw.http_url + "/metrics", timeout=5) as r:
+        body = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def talker_active(stack) -> int:
+    from duplex.v1 import common_pb2, talker_pb2_grpc
+
+    with grpc.insecure_channel(stack.cell_procs[0].talker.address) as ch:
+        return talker_pb2_grpc.TalkerStub(ch).GetCapacity(common_pb2.CapacityRequest(), timeout=5).active_streams
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.fixture
+def idle(stack):
+    """No session left anywhere after the test."""
+    gw = stack.gateway
+    yield
+    assert wait_until(lambda: talker_active(stack) == 0, 30), "a talker stream is left open"
+    assert metric(gw, "gateway_sessions_active") == 0 and metric(gw, "gateway_sessions_paused") == 0
+
+
+X = tone(FRAMES, seed=7)
+
+
+def frame(i: int) -> dict:
+    return {"type": "input_audio_buffer.append", "audio": pcm16_b64(X[i * FRAME:(i + 1) * FRAME])}
+
+
+async def feed(rt: RT, start: int, stop: int) -> None:
+    for i in range(start, stop):
+        await rt.send(frame(i))
+        await asyncio.sleep(0.08)
+
+
+async def opened(url: str, headers: dict | None = None) -> tuple[RT, dict]:
+    rt = await RT.connect(url, headers)
+    created = await rt.open(instructions=INSTRUCTIONS, extra_body={"greedy": True})
+    assert created["type"] == "session.created", created
+    await rt.until("session.updated", 120)
+    return rt, created
+
+
+async def resume(gw: GatewayProcess, session_id: str, token: str, headers: dict | None = None) -> RT:
+    return await RT.connect(f"{gw.ws_url}&session_id={session_id}", {"X-Resume-Token": token, **(headers or {})})
+
+
+async def refused(gw: GatewayProcess, session_id: str, token: str, headers: dict | None = None) -> tuple[int, str]:
+    """(HTTP status, error code) of a resume the gateway refuses before the 101."""
+    with pytest.raises(InvalidStatus) as e:
+        await resume(gw, session_id, token, headers)
+    return e.value.response.status_code, json.loads(e.value.response.body)["error"]["code"]
+
+
+async def paused(gw: GatewayProcess, n: int = 1) -> None:
+    assert await eventually(lambda: metric(gw, "gateway_sessions_paused") == n, 20), "the session did not pause"
+
+
+def texts(rt: RT) -> list[str]:
+    return [e["delta"] for e in rt.of(TEXT)]
+
+
+async def outputs(rt: RT, k: int) -> None:
+    """Read until k output frames came whole: k audio deltas and their k transcript deltas."""
+    assert await rt.wait_frames(k) == k
+    while len(texts(rt)) < k:
+        assert (await rt.recv())["type"] != "error"
+
+
+async def uninterrupted(stack) -> tuple[list[str], np.ndarray]:
+    rt, _ = await opened(stack.gateway.ws_url)
+    await feed(rt, 0, FRAMES)
+    await outputs(rt, FRAMES)
+    await rt.close()
+    return texts(rt), rt.audio()
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    return asyncio.run(uninterrupted(stack))
+
+
+async def test_a_resume_after_every_output_came_continues_the_same_conversation(stack, reference, idle):
+    gw = stack.gateway
+    ref_text, ref_audio = reference
+    assert any(ref_text), "the reference says nothing: the comparison would be empty"
+    rt, created = await opened(gw.ws_url)
+    session, token = created["session"], created["resume_token"]
+    assert session["capabilities"]["supports_session_resume"] is True
+    assert session["capabilities"]["resume_grace_s"] == GRACE_S
+    resumed_before = metric(gw, "gateway_resumes_total")
+    await feed(rt, 0, FRAMES // 2)
+    await outputs(rt, FRAMES // 2)
+    before = texts(rt)
+    rt.ws.transport.abort()  # no close frame: the connection just goes away
+    await paused(gw)
+    assert metric(gw, "gateway_sessions_active") == 1 and talker_active(stack) == 1  # the slot is held
+    rt2 = await resume(gw, session["id"], token)
+    greeting = await rt2.recv()
+    assert greeting["type"] == "session.resumed", greeting
+    assert greeting["session"]["id"] == session["id"]
+    assert (greeting["frames_in"], greeting["frames_out"], greeting["frames_undelivered"]) == (FRAMES // 2,) * 2 + (0,)
+    assert metric(gw, "gateway_sessions_paused") == 0
+    assert metric(gw, "gateway_resumes_total") - resumed_before == 1
+    await feed(rt2, FRAMES // 2, FRAMES)
+    await outputs(rt2, FRAMES // 2)
+    _, closed = await rt2.close()
+    assert closed["frames_in"] == closed["frames_out"] == FRAMES
+    assert before + texts(rt2) == ref_text
+    audio = np.concatenate([rt.audio(), rt2.audio()])
+    assert audio.shape == ref_audio.shape and np.abs(audio - ref_audio).max() < 1e-3
+
+
+async def test_a_drop_while_output_is_on_its_way_resumes_where_the_model_stopped(stack, reference, idle):
+    """Output produced while paused is dropped and counted; what follows the resume is the
+    uninterrupted session's output for the same frames: the talker did not step while paused."""
+    gw = stack.gateway
+    ref_text, _ = reference
+    k = FRAMES // 2
+    rt, created = await opened(gw.ws_url)
+    await feed(rt, 0, k)
+    dropped_before = metric(gw, "gateway_resume_dropped_frames_total")
+    rt.ws.transport.abort()  # right after the last frame: its outputs are still on their way
+    await paused(gw)
+    await asyncio.sleep(1.0)  # the outputs of the frames sent come out while paused
+    rt2 = await resume(gw, created["session"]["id"], created["resume_token"])
+    greeting = await rt2.recv()
+    assert greeting["type"] == "session.resumed" and greeting["frames_in"] == k, greeting
+    assert greeting["frames_undelivered"] == metric(gw, "gateway_resume_dropped_frames_total") - dropped_before
+    await feed(rt2, k, FRAMES)
+    _, closed = await rt2.close()
+    assert closed["frames_in"] == FRAMES
+    after = texts(rt2)
+    assert len(after) >= FRAMES - k and after[-(FRAMES - k):] == ref_text[k:]
+    # every output frame went somewhere: to the old socket, dropped while paused, or to the new one
+    assert closed["frames_out"] + greeting["frames_undelivered"] == FRAMES
+
+
+async def test_the_grace_period_end_frees_the_slot_and_the_token_expires(stack, idle):
+    gw = stack.gateway
+    expired_before = metric(gw, "gateway_resume_grace_expired_total")
+    rt, created = await opened(gw.ws_url)
+    await feed(rt, 0, 3)
+    rt.ws.transport.abort()
+    await paused(gw)
+    t0 = time.monotonic()
+    assert await eventually(lambda: metric(gw, "gateway_sessions_paused") == 0, GRACE_S + 20)
+    assert time.monotonic() - t0 > GRACE_S - 2  # not before the grace period's end
+    assert await eventually(lambda: talker_active(stack) == 0 and metric(gw, "gateway_sessions_active") == 0, 30)
+    assert metric(gw, "gateway_resume_grace_expired_total") - expired_before == 1
+    assert await refused(gw, created["session"]["id"], created["resume_token"]) == (410, "session_expired")
+
+
+async def test_bad_tokens_are_refused_typed_and_leave_the_session_resumable(stack, idle):
+    gw = stack.gateway
+    rt, created = await opened(gw.ws_url)
+    sid, token = created["session"]["id"], created["resume_token"]
+    assert await refused(gw, sid, token) == (409, "session_in_use")  # its connection is still there
+    await feed(rt, 0, 2)
+    rt.ws.transport.abort()
+    await paused(gw)
+    worker, nonce, mac = token.split(".")
+    forged = f"{worker}.{nonce}.{'0' * len(mac)}"
+    assert await refused(gw, sid, forged) == (403, "invalid_resume_token")
+    assert await refused(gw, "sess_someone_else", token) == (403, "invalid_resume_token")
+    assert await refused(gw, sid, "not a token") == (403, "invalid_resume_token")
+    assert await refused(gw, sid, f"w7.{nonce}.{mac}") == (421, "resume_wrong_worker")
+    other = ResumeTokens(0, None).mint(sid)[0]  # well formed, under another process's secret
+    assert await refused(gw, sid, other) == (403, "invalid_resume_token")
+    rt2 = await resume(gw, sid, token)  # none of that disturbed the paused session
+    assert (await rt2.recv())["type"] == "session.resumed"
+    await rt2.close()
+
+
+async def test_two_concurrent_resumes_one_wins(stack, idle):
+    gw = stack.gateway
+    rt, created = await opened(gw.ws_url)
+    sid, token = created["session"]["id"], created["resume_token"]
+    await feed(rt, 0, 2)
+    rt.ws.transport.abort()
+    await paused(gw)
+    outcomes = await asyncio.gather(resume(gw, sid, token), resume(gw, sid, token), return_exceptions=True)
+    winners = [o for o in outcomes if isinstance(o, RT)]
+    losers = [o for o in outcomes if isinstance(o, InvalidStatus)]
+    assert len(winners) == 1 and len(losers) == 1, outcomes
+    assert losers[0].response.status_code == 409
+    assert json.loads(losers[0].response.body)["error"]["code"] == "session_in_use"
+    assert (await winners[0].recv())["type"] == "session.resumed"
+    await feed(winners[0], 2, 4)
+    _, closed = await winners[0].close()
+    assert closed["frames_in"] == 4
+
+
+def test_a_token_is_bound_to_its_key_and_its_session():
+    secret = b"s" * 32
+    token, nonce = ResumeTokens(0, "key-a", secret).mint("sess_1")
+    assert ResumeTokens(0, "key-a", secret).verify(token, "sess_1") == nonce
+    for tokens, sid in ((ResumeTokens(0, "key-b", secret), "sess_1"), (ResumeTokens(0, None, secret), "sess_1"),
+                        (ResumeTokens(0, "key-a", secret), "sess_2")):
+        with pytest.raises(ResumeRefused) as e:
+            tokens.verify(token, sid)
+        assert (e.value.status, e.value.code) == (403, "invalid_resume_token")
+
+
+async def test_a_resume_with_the_api_key_set_needs_the_key(stack):
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--api-key-env", "TEST_GW_KEY"],
+                        env={"TEST_GW_KEY": "k-123"}).start()
+    try:
+        key = {"Authorization": "Bearer k-123"}
+        rt, created = await opened(gw.ws_url, key)
+        sid, token = created["session"]["id"], created["resume_token"]
+        await feed(rt, 0, 2)
+        rt.ws.transport.abort()
+        await paused(gw)
+        assert await refused(gw, sid, token) == (401, "unauthorized")
+        assert await refused(gw, sid, token, {"Authorization": "Bearer k-456"}) == (401, "unauthorized")
+        rt2 = await resume(gw, sid, token, key)
+        assert (await rt2.recv())["type"] == "session.resumed"
+        await rt2.close()
+        assert await eventually(lambda: metric(gw, "gateway_sessions_active") == 0, 30)
+    finally:
+        gw.stop()
+
+
+async def test_a_resume_that_lands_on_another_worker_is_refused_typed_at_once(stack):
+    """Cross-worker resume is not built: with two workers, a resume the kernel hands to the other worker
+    gets 421 resume_wrong_worker at once (no hang), and the session stays resumable where it lives."""
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--workers", "2"]).start()
+    try:
+        rt, created = await opened(gw.ws_url)
+        sid, token = created["session"]["id"], created["resume_token"]
+        await feed(rt, 0, 2)
+        rt.ws.transport.abort()
+        await paused(gw)
+        seen: set = set()
+        for _ in range(40):  # each connection lands on a worker the kernel picks by its addresses
+            t0 = time.monotonic()
+            try:
+                rt2 = await resume(gw, sid, token)
+            except InvalidStatus as e:
+                assert time.monotonic() - t0 < 5
+                seen.add((e.response.status_code, json.loads(e.response.body)["error"]["code"]))
+                continue
+            assert (await rt2.recv())["type"] == "session.resumed"
+            seen.add("resumed")
+            if len(seen) == 2:
+                await rt2.close()
+                break
+            rt2.ws.transport.abort()  # landed home first: drop again until a resume lands elsewhere
+            await paused(gw)
+        assert seen == {"resumed", (421, "resume_wrong_worker")}, seen
+        assert await eventually(lambda: metric(gw, "gateway_sessions_active") == 0, 30)
+    finally:
+        gw.stop()
