@@ -13,6 +13,9 @@
                      most close_timeout for the client to close
     the count        `OpenSockets` counts an admitted WebSocket from its upgrade until its transport
                      is gone (connection_lost): the connection cap sees closing sockets too
+    the hand-off     until its handshake is answered a connection keeps every byte it received (at most
+                     HEAD_BYTES + HANDOFF_EXTRA_BYTES), so that `hand_off` can give the transport and
+                     those bytes, exactly as received, to another protocol (resume_relay.py)
 
 Requests are read by http_requests.parse (strict, nothing buffered before the route says so).
 `connection_factory(...)` is the `create_connection` for websockets' serve().
@@ -32,6 +35,8 @@ from websockets.server import ServerProtocol
 from services.gateway import http_requests
 
 log = logging.getLogger("gateway.connection")
+
+HANDOFF_EXTRA_BYTES = 64 * 1024  # received after the request head and before its answer; more is not handed off
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class ClientConnection(ServerConnection):
         self.lost = False
         self._answered = False  # the request parser or the read deadline answered: the abort is scheduled
         self._timers: list[asyncio.TimerHandle] = []
+        self._received: bytearray | None = bytearray()  # every byte until the handshake's answer (hand_off)
 
     # ---- the request ------------------------------------------------------------------------
 
@@ -98,6 +104,12 @@ class ClientConnection(ServerConnection):
         self.send_data()
 
     def data_received(self, data: bytes) -> None:
+        if self._received is not None:
+            if self.protocol.state is CONNECTING and \
+                    len(self._received) + len(data) <= http_requests.HEAD_BYTES + HANDOFF_EXTRA_BYTES:
+                self._received += data
+            else:
+                self._received = None  # answered, or more than a request came: nothing to hand off
         super().data_received(data)
         if self.request is None and self.protocol.eof_sent:  # the request parser answered: close soon
             self._abort_later(None)
@@ -115,6 +127,8 @@ class ClientConnection(ServerConnection):
 
     def send_data(self) -> None:
         super().send_data()
+        if self._received is not None and self.protocol.state is not CONNECTING:
+            self._received = None  # the 101 is out: this connection is the WebSocket's for good
         if (self.protocol.state is not CONNECTING and not self.transport.is_closing()
                 and self.transport.get_write_buffer_size() > self.limits.write_buffer_bytes):
             log.warning("client %s: %d bytes unsent (more than %d): aborted", self.remote_address,
@@ -135,6 +149,22 @@ class ClientConnection(ServerConnection):
             self._on_abort("send_timeout")
             raise TimeoutError(f"the client read nothing for {self.limits.send_timeout_s:g} s") from None
 
+    # ---- the hand-off ---------------------------------------------------------------------------
+
+    def hand_off(self) -> tuple[asyncio.Transport, bytes] | None:
+        """Let go of the transport before the handshake is answered: (the transport, every byte received on
+        it, exactly as received) for another protocol to take over (transport.set_protocol). websockets then
+        sees this connection lost: it answers nothing and closes nothing, and the cap and the body budget no
+        longer count it. None: there is nothing to hand off (answered, lost, or more than a request came)."""
+        if self._received is None or self.lost or self.protocol.state is not CONNECTING \
+                or self.transport.is_closing():
+            return None
+        transport, received = self.transport, bytes(self._received)
+        self._received = None
+        self.transport = _HandedOff()
+        self.connection_lost(None)
+        return transport, received
+
     # ---- the end ----------------------------------------------------------------------------
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -145,3 +175,20 @@ class ClientConnection(ServerConnection):
         self._budget.release(getattr(self.protocol, "body_reserved", 0))
         self.protocol.body_reserved = 0
         super().connection_lost(exc)
+
+
+class _HandedOff(asyncio.Transport):
+    """What a connection holds once it handed its transport off: websockets ends a connection that did not
+    open by aborting its transport (and its timers might), and that transport is another protocol's now."""
+
+    def is_closing(self) -> bool:
+        return True
+
+    def write(self, data) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass

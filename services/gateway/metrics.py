@@ -20,6 +20,10 @@
     gateway_resume_grace_expired_total              counter: paused sessions ended by their grace period
     gateway_resume_dropped_frames_total             counter: output frames produced while a session was paused
                                                     (not delivered: a resume does not replay them)
+    gateway_resume_relays_total{outcome}            counter: resumes that landed on another worker than their
+                                                    session's (resume_relay.py): relayed, owner_unreachable,
+                                                    no_such_worker
+    gateway_resume_relays_open                      gauge: relayed resume connections piped now
     gateway_voice_forgets_total{outcome}            counter: talkers asked to forget a deleted or replaced voice's
                                                     recording, by outcome (recordings.Pruned)
 
@@ -42,6 +46,7 @@ from services.gateway.recordings import Pruned
 
 RESUME_OUTCOMES = ("resumed", "invalid_resume_token", "session_not_found", "session_expired", "session_in_use",
                    "resume_wrong_worker")
+RELAY_OUTCOMES = ("relayed", "owner_unreachable", "no_such_worker")
 LATENCY_BUCKETS = (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 
 
@@ -85,6 +90,12 @@ class GatewayMetrics:
         self.resume_dropped_frames = Counter("gateway_resume_dropped_frames_total",
                                              "Output frames produced while their session was paused (dropped)",
                                              registry=r)
+        self.resume_relays = Counter("gateway_resume_relays_total", "Resumes that landed on another worker than "
+                                     "their session's, by outcome (resume_relay.py)", ["outcome"], registry=r)
+        for outcome in RELAY_OUTCOMES:
+            self.resume_relays.labels(outcome)
+        self.resume_relays_open = Gauge("gateway_resume_relays_open", "Relayed resume connections piped now",
+                                        registry=r, multiprocess_mode="livesum")
         for outcome in Pruned:
             self.voice_forgets.labels(outcome.value)
         recent = "livemostrecent"

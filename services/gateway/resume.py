@@ -24,9 +24,10 @@ handshake before the 101 with a typed refusal (`ResumeRefused`: an HTTP status a
 claim: the session moves PAUSED -> RESUMING at once, on the event loop, so of two concurrent resumes one
 claims it and the other is refused `session_in_use`.
 
-Not done: a resume that lands on another gateway worker (`--workers N`) or pod is refused
-`resume_wrong_worker` (421), naming the worker; a new connection lands on a worker the kernel picks by
-its addresses, so a client may retry.
+Another worker: with `--workers N` a resume that lands on a worker other than the one its token names is
+handed to that worker over a private Unix socket before anything answers it (resume_relay.py), so the
+owner checks it and serves it as here. A token of another pod (another process secret) is refused 403
+`invalid_resume_token`, or 421 `resume_wrong_worker` when it names a worker this gateway lacks.
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ def offered_token(headers: Headers) -> str | None:
     return None
 
 
+def token_worker(token: str) -> int | None:
+    """The worker a well-formed token names (`w<worker>.<nonce>.<mac>`), None for a malformed one. Not a
+    check of the token: only the worker that minted it can tell (its MAC is under that process's secret)."""
+    parts = token.split(".") if len(token) <= MAX_TOKEN_CHARS else []
+    worker = parts[0][1:] if len(parts) == 3 and parts[0].startswith("w") else ""
+    if not (worker.isascii() and worker.isdigit() and len(worker) <= 4):
+        return None
+    return int(worker)
+
+
 class ResumeTokens:
     """Mint and check tokens under one process secret, for one worker and one API key."""
 
@@ -86,15 +97,14 @@ class ResumeTokens:
 
     def verify(self, token: str, session_id: str) -> str:
         """The nonce of a token this process minted for `session_id`; ResumeRefused otherwise."""
-        parts = token.split(".") if len(token) <= MAX_TOKEN_CHARS else []
-        worker = parts[0][1:] if len(parts) == 3 and parts[0].startswith("w") else ""
-        if not (worker.isascii() and worker.isdigit() and len(worker) <= 4):
+        worker = token_worker(token)
+        if worker is None:
             raise ResumeRefused(403, "invalid_resume_token", "the resume token is malformed")
-        if int(worker) != self.worker:
+        if worker != self.worker:  # with --workers N, resume_relay.py hands such a resume to its worker first
             raise ResumeRefused(421, "resume_wrong_worker",
-                                f"the session lives on gateway worker {int(worker)}, this is worker {self.worker}: "
-                                "resume across workers is not supported yet; a new connection may land there")
-        nonce, mac = parts[1], parts[2]
+                                f"the session lives on gateway worker {worker}, this is worker {self.worker} "
+                                "(a token of another gateway, or of another pod)")
+        _, nonce, mac = token.split(".")
         if not hmac.compare_digest(mac.encode(), self._mac(self.worker, nonce, session_id).encode()):
             raise ResumeRefused(403, "invalid_resume_token",
                                 "the resume token does not belong to this session id (or was minted under "

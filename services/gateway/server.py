@@ -12,7 +12,9 @@
     /              the browser page: files of the static folder (index.html at /)
 
 With `--workers N` each worker process runs one Gateway on its own listening socket of the shared
-port (services/gateway/workers.py): its own cell pool and capacity polls, its own sessions.
+port (services/gateway/workers.py): its own cell pool and capacity polls, its own sessions. It also
+serves the same routes on a private Unix socket, where the other workers pipe the resumes of its
+sessions that the kernel handed to them (resume_relay.py).
 
 Every connection reads its request strictly, with nothing of a body read before its route and key
 are checked (http_requests.py), and keeps its socket bounded in time and bytes whatever the client
@@ -35,7 +37,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from services.gateway import auth, tls
+from services.gateway import auth, resume_relay, tls
 from services.gateway.admission import Releases
 from services.gateway.cells import CellPool
 from services.gateway.client_address import client_address
@@ -47,6 +49,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.native import NativeSession
 from services.gateway.realtime import RealtimeSession
 from services.gateway.resume import Resumes, ResumeTokens
+from services.gateway.resume_relay import RelayLimits, ResumeRelay
 from services.gateway.session import ClientSession
 from services.gateway.voices import PREFIX as VOICES_PREFIX
 from services.gateway.voices import Voices
@@ -78,12 +81,14 @@ _CONTENT_TYPES = {
 
 class Gateway:
     def __init__(self, config: GatewayConfig, *, worker: int = 0, listen_socket: socket.socket | None = None,
-                 metrics_dir: str | None = None):
+                 metrics_dir: str | None = None, relay_dir: str | None = None):
         """Alone: listens on config.host:port. As worker `worker` of config.workers: serves the
-        supervisor's `listen_socket` and renders /metrics from every worker's `metrics_dir`."""
+        supervisor's `listen_socket`, renders /metrics from every worker's `metrics_dir`, and serves
+        and reaches the workers' resume relay sockets in `relay_dir` (resume_relay.py)."""
         self.config = config
         self.worker = worker
         self._listen_socket = listen_socket
+        self._relay_dir = relay_dir
         self.metrics = GatewayMetrics(worker, metrics_dir)
         self.pool = CellPool(config, on_poll=self.metrics.observe_cells)
         self.voices = Voices(config, self.pool, self.metrics)
@@ -96,7 +101,10 @@ class Gateway:
                                           config.client_secret_burst)
         self.sockets = OpenSockets()  # the connection cap counts these
         self.bodies = BodyBudget(config.body_buffer_bytes)
+        self.relay = ResumeRelay(relay_dir, worker, config.workers,
+                                 RelayLimits(config.send_timeout_s, config.close_timeout_s), self.metrics)
         self.server: Server | None = None
+        self.relay_server: Server | None = None  # this worker's routes on its Unix socket (resume_relay.py)
 
     @property
     def port(self) -> int:
@@ -110,9 +118,7 @@ class Gateway:
         where = {"sock": sock} if sock else {"host": self.config.host, "port": self.config.port}
         cfg = self.config
         limits = Limits(cfg.send_timeout_s, cfg.write_buffer_bytes, cfg.request_timeout_s)
-        self.server = await serve(
-            self._handle,
-            **where,
+        options = dict(
             process_request=self._process_request,
             max_size=cfg.max_message_bytes,
             max_queue=4,  # received messages waiting for a session's reader: at most 4 x max_size bytes
@@ -123,8 +129,11 @@ class Gateway:
             close_timeout=cfg.close_timeout_s,
             # /api/chat opens its session (prompt prefill included) before the upgrade's answer.
             open_timeout=max(10.0, cfg.open_timeout_s + 5.0),
-            ssl=self.tls,
         )
+        self.server = await serve(self._handle, **where, ssl=self.tls, **options)
+        if self._relay_dir is not None:  # plaintext: the relaying worker terminated the client's TLS
+            self.relay_server = await serve(self._handle, sock=resume_relay.listen(self._relay_dir, self.worker),
+                                            **options)
         log.info("gateway%s listening on http%s://%s:%d (%d cell(s) configured%s)",
                  f" worker {self.worker}" if self.config.workers > 1 else "", "s" if self.tls else "",
                  self.config.host, self.port, len(self.config.cells),
@@ -132,9 +141,12 @@ class Gateway:
 
     async def stop(self) -> None:
         self.resumes.end_paused()  # a paused session's grace would hold the close; none pauses from here on
-        if self.server is not None:
-            self.server.close()  # closes live sockets (1001); their sessions release their streams
-            await self.server.wait_closed()
+        servers = [s for s in (self.server, self.relay_server) if s is not None]
+        for server in servers:
+            server.close()  # closes live sockets (1001); their sessions release their streams
+        await self.relay.close()  # the servers wait for every transport, the relays' too
+        for server in servers:
+            await server.wait_closed()
         await self.pool.stop()
 
     # ---- HTTP -------------------------------------------------------------
@@ -162,10 +174,13 @@ class Gateway:
             if request.headers.get("Upgrade", "").lower() != "websocket":
                 return response(426, b"this endpoint is a WebSocket\n", "text/plain; charset=utf-8",
                                 [("Upgrade", "websocket")])
-            if len(self.sockets) >= self.config.max_connections:
+            if len(self.sockets) + len(self.relay) >= self.config.max_connections:
                 self.metrics.errors.labels("server_error", "server_busy").inc()
                 busy = f"this gateway holds {self.config.max_connections} connections; retry shortly"
                 return error_response(503, "server_busy", busy, [("Retry-After", "1")])
+            if route.resumable and (owner := self.relay.owner(request.headers)) is not None:
+                self._bound_send_buffer(conn)
+                return await self.relay.take(conn, owner)  # the owner checks the key, the token and the rest
             admission = self.secrets.admit(request.headers)
             if admission is auth.Admission.SPENT:
                 return self._unauthorized("this client secret already opened its connection: mint one per connection")

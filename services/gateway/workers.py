@@ -22,6 +22,9 @@ Supervision.
   parent's config pickled on its stdin; the parent's only children are its workers.
 - Metrics: a private PROMETHEUS_MULTIPROC_DIR per start, removed at exit; a dead worker's live gauges
   (sessions active, its connections) are dropped from the sums at once (mark_process_dead; metrics.py).
+- Resumes: a private directory per start (0700, removed at exit, named to the workers by RELAY_DIR_ENV)
+  where each worker listens on a Unix socket of its own; a resume that lands on another worker than its
+  session's is piped there (resume_relay.py). A restarted worker binds its socket afresh.
 
 Per worker, not per gateway: each worker polls every stage's GetCapacity (N times the polls), and its
 least-loaded ordering counts only its own sessions and admissions. The stage's slot refusal is the
@@ -56,6 +59,7 @@ RESTART_WINDOW_S = 60.0
 REPEAT_S = 1.0
 LISTEN_BACKLOG = 100  # asyncio's create_server default, as a lone gateway listens
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+RELAY_DIR_ENV = "GATEWAY_RESUME_RELAY_DIR"
 
 
 def supervise(config: GatewayConfig) -> int:
@@ -69,12 +73,14 @@ def supervise(config: GatewayConfig) -> int:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
         return 1
     metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    relay_dir = tempfile.mkdtemp(prefix="gateway-resume-")  # mkdtemp makes it 0700: only this user connects
     try:
-        return _Supervisor(config, sockets, metrics_dir).run()
+        return _Supervisor(config, sockets, metrics_dir, relay_dir).run()
     finally:
         for s in sockets:
             s.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(relay_dir, ignore_errors=True)
 
 
 def _listen(host: str, port: int, n: int) -> list[socket.socket]:
@@ -104,8 +110,8 @@ def _exit_reason(code: int | None) -> str:
 
 
 class _Supervisor:
-    def __init__(self, config: GatewayConfig, sockets: list[socket.socket], metrics_dir: str):
-        self.config, self.sockets, self.metrics_dir = config, sockets, metrics_dir
+    def __init__(self, config: GatewayConfig, sockets: list[socket.socket], metrics_dir: str, relay_dir: str):
+        self.config, self.sockets, self.metrics_dir, self.relay_dir = config, sockets, metrics_dir, relay_dir
         self.procs: dict[int, subprocess.Popen] = {}
         self.exits: dict[int, int] = {}  # worker index -> a pidfd readable once that worker has exited
         self.restarts: collections.deque[float] = collections.deque()
@@ -160,7 +166,7 @@ class _Supervisor:
     def _start(self, i: int) -> None:
         fd = self.sockets[i].fileno()
         cmd = [sys.executable, "-m", "services.gateway.workers", str(i), str(fd), str(os.getpid())]
-        env = {**os.environ, METRICS_DIR_ENV: self.metrics_dir}
+        env = {**os.environ, METRICS_DIR_ENV: self.metrics_dir, RELAY_DIR_ENV: self.relay_dir}
         p = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=[fd], env=env)
         self.procs[i], self.exits[i] = p, os.pidfd_open(p.pid)
         log.info("worker %d started (pid %d)", i, p.pid)
@@ -210,7 +216,8 @@ class _Supervisor:
 
 def _worker_main(argv: list[str]) -> None:
     """`python -m services.gateway.workers INDEX FD PARENT_PID`, started by _Supervisor._start: a Gateway on
-    the parent's socket until SIGTERM/SIGINT, its metrics in the parent's directory."""
+    the parent's socket until SIGTERM/SIGINT, its metrics and its resume relay socket in the parent's
+    directories."""
     index, fd, parent_pid = (int(a) for a in argv)
     _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s gateway[w{index}] %(name)s: %(message)s")
@@ -221,7 +228,8 @@ def _worker_main(argv: list[str]) -> None:
     config: GatewayConfig = pickle.load(sys.stdin.buffer)  # the parent's own config, over a pipe only it holds
     from services.gateway.server import Gateway, serve_until_signalled
 
-    gateway = Gateway(config, worker=index, listen_socket=socket.socket(fileno=fd), metrics_dir=metrics_dir)
+    gateway = Gateway(config, worker=index, listen_socket=socket.socket(fileno=fd), metrics_dir=metrics_dir,
+                      relay_dir=os.environ.get(RELAY_DIR_ENV))
     asyncio.run(serve_until_signalled(gateway))
 
 
