@@ -7,18 +7,22 @@ raw Realtime client over real sockets (services/gateway/resume.py, session.py).
   still the uninterrupted session's, frame for frame.
 - The grace period's end frees the slot in all three stages and every gauge; the token then answers 410.
 - Typed refusals before the 101: a tampered token or another session's id (403), a session still attached
-  (409), another worker's token (421), two concurrent resumes (one wins, the other 409).
+  (409), a token naming a worker the gateway lacks (421), two concurrent resumes (one wins, the other 409).
 - With an API key: a resume needs the key as any connection does, and a token minted under another key
   does not verify.
-- Not built: a resume on another worker; it is refused 421 resume_wrong_worker at once.
+- With `--workers 2`, a resume that lands on the other worker is piped to the session's worker
+  (resume_relay.py): the conversation goes on as on the same worker; an ended session's refusal comes
+  from its worker; a client that drops the relayed connection leaves no socket open in the relaying worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -277,33 +281,131 @@ async def test_a_resume_with_the_api_key_set_needs_the_key(stack):
         gw.stop()
 
 
-async def test_a_resume_that_lands_on_another_worker_is_refused_typed_at_once(stack):
-    """Cross-worker resume is not built: with two workers, a resume the kernel hands to the other worker
-    gets 421 resume_wrong_worker at once (no hang), and the session stays resumable where it lives."""
+# ---- another worker of the same gateway (resume_relay.py) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers2(stack):
     gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--workers", "2"]).start()
-    try:
-        rt, created = await opened(gw.ws_url)
-        sid, token = created["session"]["id"], created["resume_token"]
-        await feed(rt, 0, 2)
-        rt.ws.transport.abort()
+    yield gw
+    gw.stop()
+
+
+def worker_pids(gw: GatewayProcess) -> dict[int, int]:
+    """worker index -> pid, from the supervisor's children (`python -m services.gateway.workers INDEX ...`)."""
+    pid = gw.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    pids = {}
+    for child in children:
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        pids[int(argv[argv.index(b"services.gateway.workers") + 1])] = int(child)
+    return pids
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def quiet_fds(pid: int) -> int:
+    """A worker's open fds once this test's last /metrics request (it lands on either worker) has closed."""
+    await asyncio.sleep(1.0)
+    return open_fds(pid)
+
+
+def relayed(gw: GatewayProcess) -> float:
+    return metric(gw, 'gateway_resume_relays_total{outcome="relayed"}')
+
+
+async def resume_elsewhere(gw: GatewayProcess, sid: str, token: str) -> tuple[RT, dict]:
+    """A resume that the kernel handed to the worker the token does not name: (its client, session.resumed).
+    Each connection lands on a worker the kernel picks by its addresses; one that lands on the session's own
+    worker is dropped again, and the session pauses again, until one lands on the other."""
+    for _ in range(40):
+        before = relayed(gw)
+        rt2 = await resume(gw, sid, token)
+        greeting = await rt2.recv()
+        assert greeting["type"] == "session.resumed", greeting
+        if relayed(gw) > before:
+            return rt2, greeting
+        rt2.ws.transport.abort()
         await paused(gw)
-        seen: set = set()
-        for _ in range(40):  # each connection lands on a worker the kernel picks by its addresses
-            t0 = time.monotonic()
-            try:
-                rt2 = await resume(gw, sid, token)
-            except InvalidStatus as e:
-                assert time.monotonic() - t0 < 5
-                seen.add((e.response.status_code, json.loads(e.response.body)["error"]["code"]))
-                continue
-            assert (await rt2.recv())["type"] == "session.resumed"
-            seen.add("resumed")
-            if len(seen) == 2:
-                await rt2.close()
-                break
-            rt2.ws.transport.abort()  # landed home first: drop again until a resume lands elsewhere
-            await paused(gw)
-        assert seen == {"resumed", (421, "resume_wrong_worker")}, seen
-        assert await eventually(lambda: metric(gw, "gateway_sessions_active") == 0, 30)
-    finally:
-        gw.stop()
+    raise AssertionError("40 resumes in a row landed on the session's own worker")
+
+
+async def workers_idle(gw: GatewayProcess) -> None:
+    assert await eventually(lambda: metric(gw, "gateway_sessions_active") == 0, 30)
+    assert metric(gw, "gateway_sessions_paused") == 0 and metric(gw, "gateway_resume_relays_open") == 0
+
+
+async def test_a_resume_that_lands_on_another_worker_continues_the_same_conversation(workers2, reference):
+    """With two workers, a resume the kernel hands to the other worker is piped to the session's own worker:
+    the conversation goes on, frames pair N in / N out, and its text is the uninterrupted session's."""
+    gw = workers2
+    ref_text, ref_audio = reference
+    rt, created = await opened(gw.ws_url)
+    sid, token = created["session"]["id"], created["resume_token"]
+    await feed(rt, 0, FRAMES // 2)
+    await outputs(rt, FRAMES // 2)
+    before = texts(rt)
+    rt.ws.transport.abort()
+    await paused(gw)
+    rt2, greeting = await resume_elsewhere(gw, sid, token)
+    assert greeting["session"]["id"] == sid
+    assert (greeting["frames_in"], greeting["frames_out"], greeting["frames_undelivered"]) == (FRAMES // 2,) * 2 + (0,)
+    await feed(rt2, FRAMES // 2, FRAMES)
+    await outputs(rt2, FRAMES // 2)
+    _, closed = await rt2.close()
+    assert closed["frames_in"] == closed["frames_out"] == FRAMES
+    assert before + texts(rt2) == ref_text
+    audio = np.concatenate([rt.audio(), rt2.audio()])
+    assert audio.shape == ref_audio.shape and np.abs(audio - ref_audio).max() < 1e-3
+    await workers_idle(gw)
+
+
+async def test_a_relayed_resume_of_an_ended_session_gets_the_owners_refusal(workers2):
+    gw = workers2
+    rt, created = await opened(gw.ws_url)
+    sid, token = created["session"]["id"], created["resume_token"]
+    await rt.close()  # a close frame: the session ends, its token now answers 410 on its worker
+    await workers_idle(gw)
+    before, answers = relayed(gw), set()
+    for _ in range(40):
+        t0 = time.monotonic()
+        answers.add(await refused(gw, sid, token))
+        assert time.monotonic() - t0 < 5
+        if relayed(gw) > before:
+            break
+    assert relayed(gw) > before, "no resume landed on the other worker"
+    assert answers == {(410, "session_expired")}, answers
+    assert metric(gw, "gateway_resume_relays_open") == 0
+
+
+async def test_a_client_that_drops_a_relayed_resume_leaves_no_socket_behind(workers2):
+    """The relaying worker holds two sockets while it pipes (the client's, the owner's Unix one) and none
+    once the client drops; the owner sees the drop through the relay and pauses the session again."""
+    gw = workers2
+    rt, created = await opened(gw.ws_url)
+    sid, token = created["session"]["id"], created["resume_token"]
+    owner = int(token.split(".")[0][1:])
+    relayer = worker_pids(gw)[1 - owner]
+    await feed(rt, 0, 2)
+    await outputs(rt, 2)
+    rt.ws.transport.abort()
+    await paused(gw)
+    assert await eventually(lambda: metric(gw, "gateway_resume_relays_open") == 0, 10)
+    baseline = await quiet_fds(relayer)
+    rt2, greeting = await resume_elsewhere(gw, sid, token)
+    assert greeting["frames_in"] == 2
+    await feed(rt2, 2, 4)
+    await outputs(rt2, 2)
+    assert metric(gw, "gateway_resume_relays_open") == 1
+    assert await quiet_fds(relayer) == baseline + 2  # the client's socket and the owner's Unix one
+    rt2.ws.transport.abort()  # no close frame: the relay sees a reset
+    await paused(gw)
+    assert await eventually(lambda: open_fds(relayer) == baseline, 10), (open_fds(relayer), baseline)
+    assert metric(gw, "gateway_resume_relays_open") == 0
+    rt3 = await resume(gw, sid, token)  # whichever worker it lands on
+    assert (await rt3.recv())["type"] == "session.resumed"
+    _, closed = await rt3.close()
+    assert closed["frames_in"] == closed["frames_out"] == 4
+    await workers_idle(gw)
