@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import time
 import urllib.request
 from pathlib import Path
@@ -32,6 +33,7 @@ from websockets.exceptions import InvalidStatus
 from services.gateway.resume import ResumeRefused, ResumeTokens
 from tests.realtime_client import FRAME, RT, eventually, pcm16_b64, tone
 from tools.run_stack import GatewayProcess, Stack
+from tools.tls_cert import make_local_tls
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -49,8 +51,13 @@ def stack(tiny_checkpoint):
         yield s
 
 
+def trust(gw: GatewayProcess) -> dict:
+    """The client's TLS settings for a gateway with TLS (its local CA), none for one without."""
+    return {"ssl": ssl.create_default_context(cafile=gw.tls.ca)} if gw.tls else {}
+
+
 def metric(gw: GatewayProcess, name: str) -> float:
-    with urllib.request.urlopen(gw.http_url + "/metrics", timeout=5) as r:
+    with urllib.request.urlopen(gw.http_url + "/metrics", timeout=5, context=trust(gw).get("ssl")) as r:
         body = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                if line.startswith(name + " ") or line.startswith(name + "{"))
@@ -92,8 +99,8 @@ async def feed(rt: RT, start: int, stop: int) -> None:
         await asyncio.sleep(0.08)
 
 
-async def opened(url: str, headers: dict | None = None) -> tuple[RT, dict]:
-    rt = await RT.connect(url, headers)
+async def opened(url: str, headers: dict | None = None, **kw) -> tuple[RT, dict]:
+    rt = await RT.connect(url, headers, **kw)
     created = await rt.open(instructions=INSTRUCTIONS, extra_body={"greedy": True})
     assert created["type"] == "session.created", created
     await rt.until("session.updated", 120)
@@ -101,7 +108,8 @@ async def opened(url: str, headers: dict | None = None) -> tuple[RT, dict]:
 
 
 async def resume(gw: GatewayProcess, session_id: str, token: str, headers: dict | None = None) -> RT:
-    return await RT.connect(f"{gw.ws_url}&session_id={session_id}", {"X-Resume-Token": token, **(headers or {})})
+    return await RT.connect(f"{gw.ws_url}&session_id={session_id}", {"X-Resume-Token": token, **(headers or {})},
+                            **trust(gw))
 
 
 async def refused(gw: GatewayProcess, session_id: str, token: str, headers: dict | None = None) -> tuple[int, str]:
@@ -409,3 +417,26 @@ async def test_a_client_that_drops_a_relayed_resume_leaves_no_socket_behind(work
     _, closed = await rt3.close()
     assert closed["frames_in"] == closed["frames_out"] == 4
     await workers_idle(gw)
+
+
+async def test_a_relayed_resume_works_over_tls(stack, tmp_path):
+    """With TLS the relaying worker terminates it and pipes the plaintext: the resume goes on over wss."""
+    tls = make_local_tls(tmp_path / "tls", ("127.0.0.1",))
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--workers", "2"], tls=tls).start()
+    try:
+        assert gw.ws_url.startswith("wss://")
+        rt, created = await opened(gw.ws_url, **trust(gw))
+        sid, token = created["session"]["id"], created["resume_token"]
+        await feed(rt, 0, 2)
+        await outputs(rt, 2)
+        rt.ws.transport.abort()
+        await paused(gw)
+        rt2, greeting = await resume_elsewhere(gw, sid, token)
+        assert greeting["frames_in"] == 2
+        await feed(rt2, 2, 4)
+        await outputs(rt2, 2)
+        _, closed = await rt2.close()
+        assert closed["frames_in"] == closed["frames_out"] == 4
+        await workers_idle(gw)
+    finally:
+        gw.stop()
