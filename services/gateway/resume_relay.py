@@ -8,7 +8,8 @@ whose token names another worker answers nothing itself: it connects to that wor
 byte the client sent (the request exactly as received), and pipes bytes both ways until either end closes.
 The owner sees an ordinary resume and answers it as ever, so every check (the API key, the token's MAC
 under the owner's own secret, the session's status) stays where it was; the relaying worker checks only
-its connection cap, where the relayed connection counts as any other.
+its connection cap, where the relayed connection counts as any other. The owner's peer is the Unix socket,
+so the client's address is logged by the relaying worker.
 
 The bytes are plaintext: with TLS the relaying worker terminates it, and the Unix hop carries what TLS
 decrypted.
@@ -109,7 +110,7 @@ class ResumeRelay:
         worker = token_worker(token)
         return None if worker is None or worker == self.worker else worker
 
-    async def take(self, conn: ClientConnection, owner: int) -> Response:
+    async def take(self, conn: ClientConnection, owner: int, client: str) -> Response:
         """Pipe `conn` to worker `owner`; the refusal to send when it cannot be. Once handed off, what this
         returns is never sent (websockets sees the connection lost)."""
         if owner >= self.workers:
@@ -137,6 +138,7 @@ class ResumeRelay:
         protocol.connection_made(transport)
         client_w = asyncio.StreamWriter(transport, protocol, client_r, loop)
         self.metrics.resume_relays.labels(Outcome.RELAYED.value).inc()
+        log.info("a resume from %s piped to worker %d (its log names the session)", client, owner)
         task = asyncio.create_task(self._pipe(client_r, client_w, owner_r, owner_w, received))
         self._tasks.add(task)
         self.metrics.resume_relays_open.inc()

@@ -180,7 +180,9 @@ class Gateway:
                 return error_response(503, "server_busy", busy, [("Retry-After", "1")])
             if route.resumable and (owner := self.relay.owner(request.headers)) is not None:
                 self._bound_send_buffer(conn)
-                return await self.relay.take(conn, owner)  # the owner checks the key, the token and the rest
+                peer = conn.remote_address[0] if conn.remote_address else None
+                client = client_address(peer, request.headers.get_all("X-Forwarded-For"), self.config.trusted_proxies)
+                return await self.relay.take(conn, owner, client)  # the owner checks the key, the token, the rest
             admission = self.secrets.admit(request.headers)
             if admission is auth.Admission.SPENT:
                 return self._unauthorized("this client secret already opened its connection: mint one per connection")
