@@ -292,9 +292,13 @@ async def test_a_resume_with_the_api_key_set_needs_the_key(stack):
 # ---- another worker of the same gateway (resume_relay.py) ---------------------------------------
 
 
+# The idle clock runs on while a session is paused: landing on the other worker may take a few drops.
+WORKERS_ARGS = GATEWAY_ARGS + ["--workers", "2", "--idle-session-timeout", "300"]
+
+
 @pytest.fixture(scope="module")
 def workers2(stack):
-    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--workers", "2"]).start()
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=WORKERS_ARGS).start()
     yield gw
     gw.stop()
 
@@ -422,7 +426,7 @@ async def test_a_client_that_drops_a_relayed_resume_leaves_no_socket_behind(work
 async def test_a_relayed_resume_works_over_tls(stack, tmp_path):
     """With TLS the relaying worker terminates it and pipes the plaintext: the resume goes on over wss."""
     tls = make_local_tls(tmp_path / "tls", ("127.0.0.1",))
-    gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + ["--workers", "2"], tls=tls).start()
+    gw = GatewayProcess(stack.cell_procs[0].spec, args=WORKERS_ARGS, tls=tls).start()
     try:
         assert gw.ws_url.startswith("wss://")
         rt, created = await opened(gw.ws_url, **trust(gw))

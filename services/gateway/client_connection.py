@@ -36,7 +36,7 @@ from services.gateway import http_requests
 
 log = logging.getLogger("gateway.connection")
 
-HANDOFF_EXTRA_BYTES = 64 * 1024  # received after the request head and before its answer; more is not handed off
+HANDOFF_EXTRA_BYTES = 16 * 1024  # received after the request head and before its answer; more is not handed off
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,9 @@ class ClientConnection(ServerConnection):
     # ---- writes -----------------------------------------------------------------------------
 
     def send_data(self) -> None:
+        if self._received is not None and (self.protocol.writes or self.protocol.state is not CONNECTING):
+            self._received = None  # an answer (a 101, a refusal, a 100 Continue) goes out: no hand-off now
         super().send_data()
-        if self._received is not None and self.protocol.state is not CONNECTING:
-            self._received = None  # the 101 is out: this connection is the WebSocket's for good
         if (self.protocol.state is not CONNECTING and not self.transport.is_closing()
                 and self.transport.get_write_buffer_size() > self.limits.write_buffer_bytes):
             log.warning("client %s: %d bytes unsent (more than %d): aborted", self.remote_address,
