@@ -617,7 +617,7 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
     from services.gateway.relay import OpenParams, open_on_cells
     from tests.relay_listener import RelayRecorder
 
-    with Stack(tiny_checkpoint, sessions=4) as stack:
+    with Stack(tiny_checkpoint, sessions=4, with_gateway=False) as stack:  # the test is the cell's client
         pool = CellPool(GatewayConfig(cells=parse_cells(stack.cell_procs[0].spec)))
         await pool.start()
         await pool.wait_first_poll()
