@@ -1,9 +1,11 @@
 """bench/frontdoor.py --smoke: the front-door benchmark's own code path on the CPU (tiny checkpoint).
 
 The whole stack as real processes (cell, a 2-worker gateway, a 2-process load driver), with the traffic
-patterns the GPU runs: callers arriving with the SDK open and churn, then the old together pattern with a
-probe (one stack); a burst beyond the cell's slots (another). The report must hold what the GPU run
-reports and nothing machine-specific. The pass rules themselves are tested on hand-made rows.
+patterns the GPU runs, in order on one stack as the GPU run does (`--traffic realistic,burst`): callers
+arriving with the SDK open and churn, the old together pattern with a probe, then a burst beyond the
+cell's slots. One bench run serves the two smoke tests (a stack start and the bench's own start and plot
+once, not twice). The report must hold what the GPU run reports and nothing machine-specific. The pass
+rules themselves are tested on hand-made rows.
 """
 
 from __future__ import annotations
@@ -22,13 +24,28 @@ from tools.procs import REPO_ROOT
 STAGES = ("encoder", "talker", "decoder")
 
 
-def frontdoor(tmp_path, *args: str) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-m", "bench.frontdoor", "--smoke", "--out", str(tmp_path), *args],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=170)
+SMOKE_DURATION_S = 6.0  # --duration-s: realistic after its last arrival, together per session, burst after its window
+BURST_WINDOW_S = 1.0  # the smoke's --burst-window-s
+
+
+def frontdoor(out, *args: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-m", "bench.frontdoor", "--smoke", "--out", str(out), *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=230)
     assert proc.returncode in (0, 3), proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = (tmp_path / "frontdoor.json").read_text()
-    assert str(tmp_path) not in text  # no machine paths in a result that may be committed
+    text = (out / "frontdoor.json").read_text()
+    assert str(out) not in text  # no machine paths in a result that may be committed
     return json.loads(text), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, tiny_checkpoint) -> tuple[dict, str, object]:
+    """One smoke run of the three patterns on one stack: realistic, together, then a burst of 6 callers
+    on the 3-slot cell. Returns (frontdoor.json, stdout, the --out directory)."""
+    out = tmp_path_factory.mktemp("frontdoor")
+    result, stdout = frontdoor(out, "--checkpoint", str(tiny_checkpoint), "--traffic", "realistic,together,burst",
+                               "--sessions", "3", "--burst", "6", "--duration-s", str(SMOKE_DURATION_S),
+                               "--burst-window-s", str(BURST_WINDOW_S))
+    return result, stdout, out
 
 
 def assert_rode_the_stack(run: dict) -> None:
@@ -40,13 +57,13 @@ def assert_rode_the_stack(run: dict) -> None:
     assert run["passed"] == all(run["checks"].values())
 
 
-@pytest.mark.timeout(200)
-def test_arrivals_with_the_sdk_open_and_churn_then_together(tmp_path, tiny_checkpoint):
-    result, stdout = frontdoor(tmp_path, "--checkpoint", str(tiny_checkpoint), "--traffic", "realistic,together")
-    real, together = result["runs"]
+@pytest.mark.timeout(260)
+def test_arrivals_with_the_sdk_open_and_churn_then_together(smoke):
+    result, stdout, out = smoke
+    real, together, _ = result["runs"]
     assert "failed" not in real and "failed" not in together, result["runs"]
     assert result["headline_traffic"] == "realistic" and set(result["largest_passing_by_traffic"]) == {
-        "realistic", "together"}
+        "realistic", "together", "burst"}
 
     # Realistic: 3 lines dialled at 4/s (Poisson), SDK open, calls of 1 + Exp(1) s and redials: churn.
     assert (real["traffic"], real["open"], real["sessions"], real["steady_sessions"]) == ("realistic", "sdk", 3, 3)
@@ -82,17 +99,18 @@ def test_arrivals_with_the_sdk_open_and_churn_then_together(tmp_path, tiny_check
     assert set(together["checks"]) == {"driver_pass", "probes_got_audio", "ticks_within_80ms", "tick_p99",
                                        "first_audio"}
     assert_rode_the_stack(together)
-    assert (tmp_path / "frontdoor.png").is_file()
+    assert (out / "frontdoor.png").is_file()
     assert "front door: smoke" in stdout and "realistic" in stdout and "together" in stdout
 
 
-@pytest.mark.timeout(200)
-def test_a_burst_beyond_the_slots_is_refused_up_front_then_served(tmp_path, tiny_checkpoint):
-    """6 callers within 1 s on a 3-slot cell: those refused get a typed retry-later before any audio,
-    retry after its delay and are served once earlier calls hang up; none is killed."""
-    result, _ = frontdoor(tmp_path, "--checkpoint", str(tiny_checkpoint), "--traffic", "burst", "--sessions", "3",
-                          "--burst", "6", "--duration-s", "8")
-    (run,) = result["runs"]
+@pytest.mark.timeout(260)
+def test_a_burst_beyond_the_slots_is_refused_up_front_then_served(smoke):
+    """6 callers within 1 s on a 3-slot cell (after the other two patterns, on the same stack): those
+    refused get a typed retry-later before any audio, retry after its delay and are served once earlier
+    calls hang up; none is killed."""
+    result, stdout, _ = smoke
+    *_, run = result["runs"]
+    assert "burst" in stdout
     assert "failed" not in run, run
     assert (run["traffic"], run["sessions"], run["burst_callers"]) == ("burst", 3, 6)
     calls = run["callers"]
@@ -105,7 +123,7 @@ def test_a_burst_beyond_the_slots_is_refused_up_front_then_served(tmp_path, tiny
     assert calls["served"] == 6 and calls["time_to_served_ms"]["count"] == refusals["callers_refused"]
     assert calls["time_to_served_ms"]["p50"] > 1000  # each waited its delay and a slot, then was served
     assert sum(run["gateway_refusals"].values()) == refusals["total"]  # the gateway counted the same refusals
-    assert run["window"] == {"start_s": 0.0, "length_s": pytest.approx(9.0)}
+    assert run["window"] == {"start_s": 0.0, "length_s": pytest.approx(BURST_WINDOW_S + SMOKE_DURATION_S)}
     assert run["first_audio_ms"]["count"] == 6
     assert set(run["checks"]) == {"client_valid", "no_kills", "no_server_error", "callers_served", "refusals_up_front"}
     assert run["checks"]["callers_served"] and run["checks"]["refusals_up_front"] and run["checks"]["no_kills"]

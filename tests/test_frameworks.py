@@ -27,7 +27,7 @@ from tests.openai_events import validate_server_event
 from tests.realtime_client import RT
 from tools.load_driver.input_audio import synth_speech
 from tools.procs import REPO_ROOT
-from tools.run_stack import GatewayProcess, Stack
+from tools.run_stack import GatewayProcess
 from tools.tls_cert import make_local_tls
 
 FW_PYTHON = Path(os.environ.get("FRAMEWORKS_PYTHON", REPO_ROOT / ".venv-frameworks" / "bin" / "python"))
@@ -40,11 +40,12 @@ OPUS_FRAMES_HELD = 2
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_checkpoint):
+def stack(shared_stack):
+    """conftest's shared stack (2 sessions, codec stages with a spare slot, these gateway flags)."""
     if not FW_PYTHON.exists():
         pytest.fail(f"{FW_PYTHON} is missing: `make setup-frameworks` (part of `make test`) builds it")
-    with Stack(tiny_checkpoint, sessions=2, codec_args=["--slots", "3"], gateway_args=GATEWAY_ARGS) as s:
-        yield s
+    assert shared_stack.gateway_args == GATEWAY_ARGS
+    return shared_stack
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.realtime_client import FRAME, RT, SR, eventually, pcm16_b64, tone
 from tools.procs import REPO_ROOT, free_port
-from tools.run_stack import GatewayProcess, Stack
+from tools.run_stack import GatewayProcess
 
 # This machine is shared and slow: generous bounds for "a stage is stalled" and for opening.
 GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-timeout", "20"]
@@ -61,10 +61,11 @@ def check_output(rt: RT, min_frames: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_checkpoint):
-    # The codec stages have a spare slot, so the talker is the stage that refuses a third session.
-    with Stack(tiny_checkpoint, sessions=2, codec_args=["--slots", "3"], gateway_args=GATEWAY_ARGS) as s:
-        yield s
+def stack(shared_stack):
+    # conftest's shared stack: the codec stages have a spare slot, so the talker is the stage that
+    # refuses a third session.
+    assert shared_stack.gateway_args == GATEWAY_ARGS
+    return shared_stack
 
 
 def stage_capacity(stack, stage: str):
@@ -592,8 +593,9 @@ async def test_the_log_names_the_client_a_trusted_proxy_forwarded_for(stack):
     assert lines and lines[-1].endswith("from 127.0.0.1"), lines[-3:]
 
 
+@pytest.mark.drains_shared_stack
 async def test_zz_draining_cell_gets_no_new_session(stack):
-    """Last in this module: it drains the cell's encoder (for good)."""
+    """Last in the session (conftest orders it so): it drains the shared cell's encoder (for good)."""
     from duplex.v1 import common_pb2, encoder_pb2_grpc
 
     with grpc.insecure_channel(stack.cell_procs[0].encoder.address) as ch:

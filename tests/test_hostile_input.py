@@ -617,7 +617,7 @@ async def test_a_failing_session_among_healthy_ones_on_one_cell_fails_alone(tiny
     from services.gateway.relay import OpenParams, open_on_cells
     from tests.relay_listener import RelayRecorder
 
-    with Stack(tiny_checkpoint, sessions=4) as stack:
+    with Stack(tiny_checkpoint, sessions=4, with_gateway=False) as stack:  # the test is the cell's client
         pool = CellPool(GatewayConfig(cells=parse_cells(stack.cell_procs[0].spec)))
         await pool.start()
         await pool.wait_first_poll()
@@ -706,8 +706,10 @@ def test_a_client_that_stops_reading_is_cut_off_by_the_byte_bound(stack, feeder,
     gw = GatewayProcess(stack.cell_procs[0].spec, args=GATEWAY_ARGS + [
         "--output-queue-events", "1000000", "--output-queue-bytes", "30000", "--send-buffer-bytes", "8192"]).start()
     try:
+        # It never reads, so it never sees the gateway's close frame either: its close at the end is
+        # cleanup, not waited for (websockets' 10 s default would be most of this test).
         stuck = sync_connect(gw.ws_url, sock=raw_socket_client(gw), max_size=None, open_timeout=60,
-                             legacy=True, max_queue=1)
+                             legacy=True, max_queue=1, close_timeout=0.5)
         stuck.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
         frame = json.dumps(append(tone(1)))
         deadline = time.monotonic() + 90

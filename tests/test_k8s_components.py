@@ -120,20 +120,29 @@ def seconds(duration: str) -> float:
 # ---------------------------------------------------------------- rules
 
 
+# The validator's answer per set of custom documents (their JSON text): it is a pure function of them, and
+# every breakage test first checks the unbroken components, the same documents each time (one node run,
+# not one per test, for those).
+_SCHEMA_PROBLEMS: dict[str, list[str]] = {}
+
+
 def custom_schema_problems(docs: list[dict]) -> list[str]:
     """The custom resources validate strictly against the published Gateway API and Prometheus Operator models."""
     if not (SCHEMAS / "node_modules" / "typescript").is_dir():
         pytest.fail(f"{SCHEMAS}/node_modules is missing: `make setup-k8s-schemas` (part of `make test`)")
-    custom = [d for d in docs if is_custom(d)]
+    text = json.dumps([d for d in docs if is_custom(d)])
+    if text in _SCHEMA_PROBLEMS:
+        return list(_SCHEMA_PROBLEMS[text])
     path = SCHEMAS / f".docs-{os.getpid()}.json"
-    path.write_text(json.dumps(custom))
+    path.write_text(text)
     try:
         done = subprocess.run(["node", str(SCHEMAS / "validate.mjs"), str(path)], capture_output=True, text=True,
                               timeout=120)
     finally:
         path.unlink()
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    _SCHEMA_PROBLEMS[text] = json.loads(done.stdout)
+    return list(_SCHEMA_PROBLEMS[text])
 
 
 def ingress_problems(docs: list[dict]) -> list[str]:

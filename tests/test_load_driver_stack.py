@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tools.run_stack import Stack
 
 REPO = Path(__file__).resolve().parents[1]
 # As in test_gateway_e2e: this machine is shared and slow, so generous stage-stall and open bounds.
@@ -21,9 +20,10 @@ GATEWAY_ARGS = ["--stall-timeout", "30", "--open-timeout", "120", "--cleanup-tim
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_checkpoint):
-    with Stack(tiny_checkpoint, sessions=2, gateway_args=GATEWAY_ARGS) as running:
-        yield running
+def stack(shared_stack):
+    """conftest's shared stack: 2 sessions (the talker refuses a third), these gateway flags."""
+    assert shared_stack.gateway_args == GATEWAY_ARGS
+    return shared_stack
 
 
 def driver(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

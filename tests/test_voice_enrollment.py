@@ -186,7 +186,10 @@ async def test_an_enrolled_voice_talks_on_both_protocols_and_survives_its_deleti
     # the native protocol, by name
     assert (await call(gw, "PUT", "/v1/voices/dave", wav_bytes(2.2, seed=6)))[0] == 201
     url = f"ws://{gw.host}:{gw.port}/api/chat?voice_prompt=dave&text_prompt=Hi."
-    async with connect(url, max_size=None, additional_headers=AUTH) as ws:
+    # max_queue=None: the output still arriving when this client stops reading is queued, not left in the
+    # socket, so the gateway's close frame reaches it (a full 16-message queue stops the reads: the close
+    # handshake then waits websockets' 10 s close_timeout and ends 1006).
+    async with connect(url, max_size=None, max_queue=None, additional_headers=AUTH) as ws:
         assert await asyncio.wait_for(ws.recv(), 120) == b"\x00"
         writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
         pcm = []

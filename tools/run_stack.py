@@ -134,6 +134,7 @@ class Stack:
     # The token the stages' session RPCs need and the gateway presents (stage_gate.py): the
     # operator's DUPLEX_LINK_TOKEN, else none (no check).
     link_token: str | None = field(default_factory=lambda: os.environ.get(LINK_TOKEN_ENV) or None)
+    with_gateway: bool = True  # False: the cells only (a test that drives them without the gateway)
     cell_procs: list[CellProcs] = field(default_factory=list)
     gateway: GatewayProcess | None = None
 
@@ -160,6 +161,8 @@ class Stack:
                 for stage, proc in p.items():
                     proc.wait_ready()
                     self.progress(f"cell {i}: {stage} serving on {proc.address} ({time.monotonic() - t0:.1f}s)")
+            if not self.with_gateway:
+                return self
             self.progress("starting gateway ...")
             spec = ";".join(c.spec for c in self.cell_procs)
             self.gateway = GatewayProcess(spec, port=self.port, host=self.host,

@@ -32,6 +32,7 @@ from pipecat.workers.runner import WorkerRunner
 SERVICE_PERSONA = "You enjoy a good conversation."
 CONTEXT_PERSONA = "You are a ship's cook who loves soup."
 RAW_EVENTS: list[dict] = []
+REFUSED_QUIET_S = 2.0  # after the refusal: pipecat would reconnect at once if it did
 _parse = rt_events.parse_server_event
 
 
@@ -127,7 +128,10 @@ async def main() -> None:
     await worker.queue_frames([LLMRunFrame()])
     run = asyncio.create_task(runner.run())
     if a.scenario == "refused":
-        await asyncio.sleep(6)  # pipecat stops on the error event; it does not reconnect by itself
+        # pipecat stops on the error event; it does not reconnect by itself: the error, then a
+        # quiet while in which a reconnect (a second open, a second error) would show.
+        await fw.wait_until(lambda: any(e["type"] == "error" for e in RAW_EVENTS), 60)
+        await asyncio.sleep(REFUSED_QUIET_S)
     else:
         await asyncio.wait_for(source.done.wait(), 90)
     opened = fw.metric(a.url, "gateway_sessions_opened_total") - opened_before
