@@ -7,7 +7,7 @@ import pytest
 
 from services.talker.clock import slow_tick_cause
 from services.talker.session import Session, SessionStatus
-from services.talker.tick_policy import CatchUp, TickPolicy
+from services.talker.tick_policy import CATCH_UP_STALE_S, CatchUp, TickPolicy
 
 TICK = 0.08
 HEADROOM = 0.008  # a tenth of the period
@@ -134,6 +134,31 @@ def test_a_catch_up_size_not_yet_measured_costs_its_idle_time_plus_its_rows_shar
     bare = measured()
     assert bare.catch_up_cost(8) == pytest.approx(0.055)
     assert bare.catch_up(MAIN_END, TICK, behind(3), {}, steps_run=1) is None
+
+
+def test_a_catch_up_average_that_no_longer_fits_goes_stale_and_is_tried_again():
+    """Slow catch-ups (beside the decoder, say) raise a bucket's average past what fits; it is never run
+    again, so never measured: without staleness the sessions behind would stay behind for good. After
+    CATCH_UP_STALE_S the prior decides again, and the next measurement starts a new average."""
+    policy = measured()
+    policy.steps_known(BUCKETS, {8: 0.008, 32: 0.010, 160: 0.018})
+    prior = policy.catch_up_cost(8)  # 9.9 ms
+    for t in (0.0, 0.08, 0.16):
+        policy.step_measured(0.030, catch_up_rows=8, now=t)  # three slow ones: 30 ms
+    late = TICK - 0.015  # 12.6 ms left after the headroom: the 8-row prior (9.9 ms) would fit, not its average
+    assert policy.catch_up(late, TICK, behind(3), {}, steps_run=1) is None
+    assert policy.catch_up_cost(8, now=20.0) == pytest.approx(0.030)  # 20 s later: still trusted
+    assert policy.catch_up(20.0 + late, 20.0 + TICK, behind(3), {}, steps_run=1) is None
+    t = 0.16 + CATCH_UP_STALE_S + 1
+    assert policy.catch_up_cost(8, now=t) == pytest.approx(prior)  # stale: the prior again
+    step = policy.catch_up(t + late, t + TICK, behind(3), {}, steps_run=1)
+    assert step is not None and step.rows == 8  # tried again
+    policy.step_measured(0.008, catch_up_rows=8, now=t + late)  # fast this time
+    assert policy.catch_up_cost(8, now=t + 1) == pytest.approx(0.008)  # a new average, not 0.8 * 30 + 0.2 * 8
+    policy.step_measured(0.010, catch_up_rows=8, now=t + 2)
+    assert policy.catch_up_cost(8, now=t + 2) == pytest.approx(0.8 * 0.008 + 0.2 * 0.010)  # and blended again
+    # a clock driven by hand (no times): never stale
+    assert policy.catch_up_cost(8) == pytest.approx(0.8 * 0.008 + 0.2 * 0.010)
 
 
 def test_a_catch_up_step_that_would_not_fit_runs_only_for_sessions_too_far_behind_in_the_bucket_that_holds_them():

@@ -385,7 +385,7 @@ class ConversationClock:
             self.pool.unpin(slots)
             for s in batch:
                 s.stepping = False
-        self.policy.step_measured(out.wall_s, catch_up_rows)
+        self.policy.step_measured(out.wall_s, catch_up_rows, asyncio.get_running_loop().time())
         self.steps += 1
         self._observe_step(out, len(batch), catch_up_rows)
         if rider is not None:
@@ -479,7 +479,8 @@ class ConversationClock:
         p, rows = self.policy, self.policy.row_buckets[0]
         log.info("no catch-up fitted in %d tick(s) since the last report: now %d session(s) behind, %.1f ms left "
                  "after the main step (EMA %.1f ms), the %d-row catch-up predicted at %.1f ms + %.1f ms headroom",
-                 self._unfit, behind, left_s * 1e3, p.step_s * 1e3, rows, p.catch_up_cost(rows) * 1e3,
+                 self._unfit, behind, left_s * 1e3, p.step_s * 1e3, rows,
+                 p.catch_up_cost(rows, asyncio.get_running_loop().time()) * 1e3,
                  p.catch_up_headroom_s * 1e3)
         self._unfit, self._unfit_logged = 0, now
 

@@ -23,6 +23,13 @@ STEP_HEADROOM = 0.1
 # within 1 ms of that: bench.catch_up_check). A tenth of the period would keep the 8-row step out
 # of the 23 ms after a 57 ms main step, so a session that fell behind would stay behind.
 CATCH_UP_HEADROOM = 0.03
+# A catch-up bucket's average older than this is predicted from its prior again (catch_up_cost), and
+# its next measurement starts a new average. A step is measured only when it runs, and it runs only
+# when its prediction fits: a few slow ones (beside the decoder's GPU work, say) could raise the
+# average past what ever fits, and then nothing would lower it again, so the sessions behind would
+# stay behind for the rest of the process. Retrying a stale bucket costs at most one late tick per
+# this long (0.3 % of ticks at 80 ms), if it is still slow.
+CATCH_UP_STALE_S = 30.0
 # A session that sent a frame within this many periods is talking: its next frame is due.
 TALKING_PERIODS = 1.5
 # The input wait also leaves room for the slowest of the last RECENT_STEPS main steps (plus
@@ -78,6 +85,7 @@ class TickPolicy:
     # Measured times (EMAs, seconds): the main step, catch-up steps by row count, prefill pieces.
     step_s: float = 0.0
     catch_up_s: dict[int, float] = field(default_factory=dict)
+    catch_up_at: dict[int, float] = field(default_factory=dict)  # when each was last measured (the clock's time)
     piece_s: float = 0.0  # a prefill piece run alone, GPU time included
     slack_s: float | None = None  # time left in the period after a tick
     recent_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))
@@ -99,10 +107,14 @@ class TickPolicy:
         """The engine's step sizes and their idle warm-up times (see the fields)."""
         self.row_buckets, self.warm_s = tuple(sorted(row_buckets)), dict(warm_s)
 
-    def step_measured(self, seconds: float, catch_up_rows: int | None = None) -> None:
-        """A main step's time (catch_up_rows None) or a catch-up step's of that many rows."""
+    def step_measured(self, seconds: float, catch_up_rows: int | None = None, now: float | None = None) -> None:
+        """A main step's time (catch_up_rows None) or a catch-up step's of that many rows, measured at
+        `now` (None: a clock driven by hand, whose averages never go stale)."""
         if catch_up_rows is not None:
-            self.catch_up_s[catch_up_rows] = ema(self.catch_up_s.get(catch_up_rows), seconds)
+            average = None if self._stale(catch_up_rows, now) else self.catch_up_s.get(catch_up_rows)
+            self.catch_up_s[catch_up_rows] = ema(average, seconds)
+            if now is not None:
+                self.catch_up_at[catch_up_rows] = now
         else:
             self.step_s = ema(self.step_s or None, seconds)
             self.recent_steps.append(seconds)
@@ -114,6 +126,11 @@ class TickPolicy:
         self.slack_s = ema(self.slack_s, seconds)
 
     # ---- the input wait ----------------------------------------------------------------------
+
+    def _stale(self, rows: int, now: float | None) -> bool:
+        """Whether the average of `rows`-row catch-ups is too old to trust (CATCH_UP_STALE_S)."""
+        at = self.catch_up_at.get(rows)
+        return now is not None and at is not None and now - at > CATCH_UP_STALE_S
 
     def input_wait_end(self, now: float, period_end: float, behind: bool = False) -> float | None:
         """Until when to wait for due frames at a tick that starts at `now` (None: never wait):
@@ -128,7 +145,7 @@ class TickPolicy:
         slowest = max(self.recent_steps, default=0.0) + WAIT_MARGIN_S
         reserve = 0.0
         if behind and self.row_buckets:
-            reserve = self.catch_up_cost(self.row_buckets[0]) + self.catch_up_headroom_s
+            reserve = self.catch_up_cost(self.row_buckets[0], now) + self.catch_up_headroom_s
         return min(now + self.input_wait_s, period_end - reserve - max(self.step_s + self.headroom_s, slowest))
 
     def frame_due(self, s: Session, tick_start: float) -> bool:
@@ -158,15 +175,16 @@ class TickPolicy:
         where the input wait would wait for it, and spend catch-up rows owed to sessions behind."""
         return {s: lag for s, lag in lags.items() if lag > 0} | {s: 1 for s in skipped}
 
-    def catch_up_cost(self, rows: int) -> float:
-        """Predicted seconds of a catch-up step of `rows` rows: its measured average. Before one is
-        measured: a step costs a fixed part, what it costs idle (its warm-up time), plus its active
-        rows' share of the rest, at the rate the main step pays per slot beyond its own idle time.
+    def catch_up_cost(self, rows: int, now: float | None = None) -> float:
+        """Predicted seconds of a catch-up step of `rows` rows at `now`: its measured average. Before one
+        is measured, or once its average is stale (CATCH_UP_STALE_S): a step costs a fixed part, what
+        it costs idle (its warm-up time), plus its active rows' share of the rest, at the rate the main
+        step pays per slot beyond its own idle time.
         (Scaling the main step by warm(rows) / warm(every slot) would scale the fixed part by the
         main step's rest too, about 3x at 160 full-context slots: 55 ms against 18 idle, bench/RESULTS.md;
         and a step predicted not to fit is never run, so never measured.) Without warm-up times (a
         clock driven by hand): the main step's."""
-        if rows in self.catch_up_s:
+        if rows in self.catch_up_s and not self._stale(rows, now):
             return self.catch_up_s[rows]
         every = self.row_buckets[-1] if self.row_buckets else None
         warm, warm_every = self.warm_s.get(rows), self.warm_s.get(every)
@@ -190,7 +208,7 @@ class TickPolicy:
         order = sorted(behind, key=lambda s: -len(s.inputs))  # most behind first, arrival order among equals
         holding = self._holding(len(order))
         for rows in reversed([b for b in self.row_buckets if b <= holding]):
-            if now + self.catch_up_cost(rows) + self.catch_up_headroom_s <= period_end:
+            if now + self.catch_up_cost(rows, now) + self.catch_up_headroom_s <= period_end:
                 return CatchUpStep(CatchUp.FITS, order[:rows], rows)
         far = [s for s in order if lags.get(s, 0) >= self.catch_up_lag_frames]
         if steps_run != 1 or not far:
