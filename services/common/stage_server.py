@@ -392,7 +392,8 @@ class StageServer:
         if self.server is not None:
             await self.server.stop(grace)
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
+            # shutdown() waits out the server thread's poll (0.5 s): off the loop, which other stops share
+            await asyncio.to_thread(self._metrics_http.shutdown)
             self._metrics_http.server_close()
             self._metrics_http = None
         self._stopped.set()
