@@ -267,6 +267,11 @@ class ClientSession(abc.ABC):
         if (self._ended.is_set() or self.resume_token is None or self.status is not SessionStatus.LIVE
                 or self.ctx.resumes.shutting_down):
             return False
+        if self.relay is None or self.relay.frames_in == 0:
+            # The model has heard nothing: no conversation to resume, and a new session is the same.
+            # Pausing it would let a client that connects, sends updates and drops, again and again,
+            # hold a slot per drop for the whole grace (issue 31's first attack).
+            return False
         if reader.done() and not reader.cancelled() and reader.exception() is not None \
                 and not isinstance(reader.exception(), ConnectionClosed):
             return False  # an unexpected error: the session ends (the handler logs it)
