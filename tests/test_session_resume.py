@@ -147,6 +147,18 @@ def reference(stack):
     return asyncio.run(uninterrupted(stack))
 
 
+async def second_half_continues_the_reference(rt, rt2, before: list[str], ref_text: list[str], ref_audio) -> None:
+    """The resumed connection rt2 streams the second half: N in, N out over both connections, and the
+    text and audio of both together equal the uninterrupted session's."""
+    await feed(rt2, FRAMES // 2, FRAMES)
+    await outputs(rt2, FRAMES // 2)
+    _, closed = await rt2.close()
+    assert closed["frames_in"] == closed["frames_out"] == FRAMES
+    assert before + texts(rt2) == ref_text
+    audio = np.concatenate([rt.audio(), rt2.audio()])
+    assert audio.shape == ref_audio.shape and np.abs(audio - ref_audio).max() < 1e-3
+
+
 async def test_a_resume_after_every_output_came_continues_the_same_conversation(stack, reference, idle):
     gw = stack.gateway
     ref_text, ref_audio = reference
@@ -169,13 +181,7 @@ async def test_a_resume_after_every_output_came_continues_the_same_conversation(
     assert (greeting["frames_in"], greeting["frames_out"], greeting["frames_undelivered"]) == (FRAMES // 2,) * 2 + (0,)
     assert metric(gw, "gateway_sessions_paused") == 0
     assert metric(gw, "gateway_resumes_total") - resumed_before == 1
-    await feed(rt2, FRAMES // 2, FRAMES)
-    await outputs(rt2, FRAMES // 2)
-    _, closed = await rt2.close()
-    assert closed["frames_in"] == closed["frames_out"] == FRAMES
-    assert before + texts(rt2) == ref_text
-    audio = np.concatenate([rt.audio(), rt2.audio()])
-    assert audio.shape == ref_audio.shape and np.abs(audio - ref_audio).max() < 1e-3
+    await second_half_continues_the_reference(rt, rt2, before, ref_text, ref_audio)
 
 
 async def test_a_drop_while_output_is_on_its_way_resumes_where_the_model_stopped(stack, reference, idle):
@@ -364,13 +370,7 @@ async def test_a_resume_that_lands_on_another_worker_continues_the_same_conversa
     rt2, greeting = await resume_elsewhere(gw, sid, token)
     assert greeting["session"]["id"] == sid
     assert (greeting["frames_in"], greeting["frames_out"], greeting["frames_undelivered"]) == (FRAMES // 2,) * 2 + (0,)
-    await feed(rt2, FRAMES // 2, FRAMES)
-    await outputs(rt2, FRAMES // 2)
-    _, closed = await rt2.close()
-    assert closed["frames_in"] == closed["frames_out"] == FRAMES
-    assert before + texts(rt2) == ref_text
-    audio = np.concatenate([rt.audio(), rt2.audio()])
-    assert audio.shape == ref_audio.shape and np.abs(audio - ref_audio).max() < 1e-3
+    await second_half_continues_the_reference(rt, rt2, before, ref_text, ref_audio)
     await workers_idle(gw)
 
 
