@@ -85,13 +85,16 @@ SCALE_MAX = torch.finfo(SCALE_DTYPE).max
 
 
 def hadamard(n: int, device=None) -> torch.Tensor:
-    """The normalised Sylvester Hadamard matrix of size n (a power of two), fp32: orthogonal and symmetric."""
+    """The normalised Sylvester Hadamard matrix of size n (a power of two), fp32: orthogonal and symmetric.
+
+    Built on `device` itself: a copy from the host would synchronise the stream, and a recorded voice's prefix ring
+    is made on the talker's compute thread while other sessions' steps are queued."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(device)
+    return h / math.sqrt(n)
 
 
 @fused
