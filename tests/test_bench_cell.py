@@ -463,6 +463,9 @@ def test_the_benchmarks_stages_are_mps_clients_as_the_overlays_containers_are(tm
     env = service_env(parse_args(["--device", "cuda", "--mps"]))
     assert env["encoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == env["decoder"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env["talker"]
+    # the codecs below normal MPS priority, the talker at normal (the overlay's choice, bench/RESULTS.md run 24)
+    assert env["encoder"]["CUDA_MPS_CLIENT_PRIORITY"] == env["decoder"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in env["talker"]
     assert not any("DIRECTORY" in name for stage in env.values() for name in stage)
     assert service_env(parse_args(["--device", "cuda"])) == {"encoder": {}, "talker": {}, "decoder": {}}
     ab = service_env(parse_args(["--device", "cuda", "--mps", "--stage-env",
